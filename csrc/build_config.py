@@ -1,0 +1,72 @@
+"""Where CUTLASS is, which archs and head dims to build, and the nvcc command for one kernel source.
+
+Shared by setup.py (the real build) and csrc/compile_check.py (CI's compile-only check).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+DEFAULT_ARCHS = (80, 90, 120)
+
+CUTLASS_HELP = (
+    "flash-attention-cute needs the CUTLASS 4.2 headers. Either `pip install nvidia-cutlass==4.2.0.0 --no-deps`, "
+    "or `git submodule update --init 3rd/cutlass`, or point CUTLASS_DIR at a CUTLASS checkout."
+)
+
+
+def cutlass_include_dirs() -> list[Path]:
+    """CUTLASS headers, in order: $CUTLASS_DIR, a checkout at 3rd/cutlass, the nvidia-cutlass pip package."""
+    candidates = []
+    if os.environ.get("CUTLASS_DIR"):
+        candidates.append(Path(os.environ["CUTLASS_DIR"]))
+    candidates.append(ROOT / "3rd" / "cutlass")
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.origin is not None:
+        candidates.append(Path(spec.origin).parent / "source")
+    for base in candidates:
+        if (base / "include" / "cute" / "tensor.hpp").exists():
+            return [base / "include", base / "tools" / "util" / "include"]
+    raise RuntimeError(CUTLASS_HELP)
+
+
+def requested_archs() -> list[int]:
+    """FLASH_ATTN_CUDA_ARCHS, e.g. "80;90;120" (also accepts commas and a trailing 'a')."""
+    raw = os.environ.get("FLASH_ATTN_CUDA_ARCHS")
+    if not raw:
+        return list(DEFAULT_ARCHS)
+    return [int(a.strip().rstrip("a")) for a in raw.replace(",", ";").split(";") if a.strip()]
+
+
+def requested_head_dims() -> list[int] | None:
+    """FLASH_ATTN_HEAD_DIMS, e.g. "128" or "64,128": build only these kernel head dims (for fast iteration)."""
+    raw = os.environ.get("FLASH_ATTN_HEAD_DIMS")
+    return [int(x) for x in raw.replace(";", ",").split(",") if x.strip()] if raw else None
+
+
+def nvcc_path() -> str:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if not found:
+        raise RuntimeError("nvcc not found: install the CUDA toolkit or set CUDA_HOME")
+    return found
+
+
+def gencode_flags(archs: list[int], ptx_arch: int | None) -> list[str]:
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in sorted(set(archs))]
+    if ptx_arch is not None:
+        flags.append(f"-gencode=arch=compute_{ptx_arch},code=compute_{ptx_arch}")
+    return flags
+
+
+def nvcc_command(source: Path, obj: Path, archs: list[int], ptx_arch: int | None) -> list[str]:
+    includes = [f"-I{p}" for p in [CSRC, *cutlass_include_dirs()]]
+    flags = ["-std=c++17", "-O3", "--use_fast_math", "--expt-relaxed-constexpr", "-DNDEBUG",
+             "-Xcompiler", "-fPIC", "-Xptxas=-v", *gencode_flags(archs, ptx_arch)]
+    return [nvcc_path(), "-c", str(source), "-o", str(obj), *includes, *flags]

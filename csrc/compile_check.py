@@ -1,0 +1,38 @@
+"""CI's compile check: compiles one kernel source per tier with nvcc for that tier's first arch (no GPU needed)
+and prints the ptxas resource report (registers, spills, shared memory)."""
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build_config  # noqa: E402
+import generate_kernels  # noqa: E402
+
+# The head dim most users run; one file per tier keeps CI inside its time budget.
+CHECK_HEAD_DIM = 128
+
+
+def main() -> int:
+    failed = False
+    for tier in generate_kernels.TIERS:
+        src = generate_kernels.kernel_sources(tiers=[tier], head_dims=[CHECK_HEAD_DIM], dtypes=["bf16"])[0]
+        arch = generate_kernels.tier_archs(tier)[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = build_config.nvcc_command(src.path, Path(tmp) / "k.o", [arch], None)
+            t0 = time.time()
+            res = subprocess.run(cmd, capture_output=True, text=True)
+        report = [l for l in res.stderr.splitlines() if re.search(r"registers|spill|Compiling entry", l)]
+        status = "ok" if res.returncode == 0 else "FAILED"
+        print(f"{src.path.name} for sm_{arch}: {status} in {time.time() - t0:.0f} s")
+        print("\n".join("  " + l.strip() for l in report))
+        if res.returncode != 0:
+            print(res.stderr[-6000:])
+            failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+// SM80-tier forward kernel: one CTA computes a kBlockM x d output tile, walking its visible key blocks from the last
+// to the first (masked blocks come first, so the unmasked steady state needs no mask work).
+//
+// cp.async pipeline: K and V of each key block are separate commit groups, kStages - 1 blocks are in flight ahead of
+// the one being consumed. Per block: wait K -> barrier -> issue the loads of block i + kStages - 1 into the stage freed
+// by block i - 1 -> S = Q K^T -> softcap / ALiBi / mask -> online softmax -> wait V -> barrier -> O += P V.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+#include "../common/block_scheduler.h"
+#include "../common/fwd_params.h"
+#include "../common/score_mod.h"
+#include "../common/softmax.h"
+#include "epilogue.h"
+#include "mainloop.h"
+
+namespace flash::sm80 {
+
+using namespace cute;
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_constant__ FwdParams const params) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kStages = Traits::kStages;
+    constexpr int kPrefetch = kStages - 1;
+
+    extern __shared__ __align__(128) char smem[];
+    int const tid = threadIdx.x;
+
+    int const num_m_blocks = (params.sq + kBlockM - 1) / kBlockM;
+    BlockCoord const blk = decode_block(num_m_blocks, params.h);
+    int const head_kv = blk.head / params.h_per_hk;
+    int const sq = params.sq, sk = params.sk, d = params.d;
+    int const diag_offset = sk - sq;  // bottom-right alignment of causal / local windows
+    int const row0 = blk.m_block * kBlockM;
+    int const row_last = min(sq, row0 + kBlockM) - 1;
+
+    // Keys that some row of this tile can see: [n_lo, n_hi).
+    int const n_lo = params.window_left >= 0 ? max(0, row0 + diag_offset - params.window_left) : 0;
+    int const n_hi = params.window_right >= 0 ? min(sk, row_last + diag_offset + params.window_right + 1) : sk;
+    int const n_block_min = n_lo / kBlockN;
+    int const n_blocks = n_hi > n_lo ? (n_hi + kBlockN - 1) / kBlockN - n_block_min : 0;
+    int const n_block_max = n_block_min + n_blocks;
+
+    typename Traits::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(tid);
+    Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_o);
+    auto acc_o_rc = rowcol_view(acc_o);
+    constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+    OnlineSoftmax<kRows> softmax;
+    softmax.init();
+
+    if (n_blocks > 0) {
+        Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.q) +
+                                              blk.batch * params.q_batch_stride + blk.head * params.q_head_stride),
+                                make_shape(sq, Int<kHeadDim>{}), make_stride(params.q_row_stride, _1{}));
+        Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.k) +
+                                              blk.batch * params.k_batch_stride + head_kv * params.k_head_stride),
+                                make_shape(sk, Int<kHeadDim>{}), make_stride(params.k_row_stride, _1{}));
+        Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.v) +
+                                              blk.batch * params.v_batch_stride + head_kv * params.v_head_stride),
+                                make_shape(sk, Int<kHeadDim>{}), make_stride(params.v_row_stride, _1{}));
+        Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(blk.m_block, 0));
+        Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n_block)
+        Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+
+        Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
+        Tensor sK = make_tensor(sQ.data() + Int<Traits::kSmemQElems>{}, typename Traits::SmemLayoutKV{});  // (N, D, stage)
+        Tensor sV = make_tensor(sK.data() + Int<Traits::kSmemKVElems>{}, typename Traits::SmemLayoutKV{});
+        Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});  // (D, N, stage)
+
+        typename Traits::GmemTiledCopyQKV gmem_copy;
+        auto gmem_thr = gmem_copy.get_thread_slice(tid);
+        Tensor tQgQ = gmem_thr.partition_S(gQ);
+        Tensor tQsQ = gmem_thr.partition_D(sQ);
+        Tensor tKgK = gmem_thr.partition_S(gK);
+        Tensor tKsK = gmem_thr.partition_D(sK);
+        Tensor tVgV = gmem_thr.partition_S(gV);
+        Tensor tVsV = gmem_thr.partition_D(sV);
+        Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+        Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+        // Two commit groups per key block (K, then V); past the last block the groups are empty, which keeps the
+        // wait counts below constant.
+        auto load_kv = [&](int i) {
+            if (i < n_blocks) {
+                int const n_block = n_block_max - 1 - i;
+                int const stage = i % kStages;
+                int const rows_left = sk - n_block * kBlockN;
+                load_tile(gmem_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV, rows_left, d);
+                cp_async_fence();
+                load_tile(gmem_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage), tKVcKV, rows_left, d);
+                cp_async_fence();
+            } else {
+                cp_async_fence();
+                cp_async_fence();
+            }
+        };
+
+        load_tile(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);  // joins the first K group
+        CUTE_UNROLL
+        for (int i = 0; i < kPrefetch; ++i) { load_kv(i); }
+
+        Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+        Tensor tSrK = thr_mma.partition_fragment_B(sK(_, _, 0));
+        Tensor tOrVt = thr_mma.partition_fragment_B(sVt(_, _, 0));
+        auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+        auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+        auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+        Tensor tSsQ = smem_copy_q.get_thread_slice(tid).partition_S(sQ);
+        Tensor tSsK = smem_copy_k.get_thread_slice(tid).partition_S(sK);    // (CPY, N, K, stage)
+        Tensor tOsVt = smem_copy_v.get_thread_slice(tid).partition_S(sVt);  // (CPY, D, N, stage)
+
+        Tensor coord_s_rc =
+            rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+        float const alibi_slope =
+            params.alibi_slopes == nullptr
+                ? 0.f
+                : params.alibi_slopes[blk.batch * params.alibi_batch_stride + blk.head] / params.logit_scale;
+
+        for (int i = 0; i < n_blocks; ++i) {
+            int const n_block = n_block_max - 1 - i;
+            int const stage = i % kStages;
+            int const col0 = n_block * kBlockN;
+
+            Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+            clear(acc_s);
+            cp_async_wait<2 * kPrefetch - 1>();
+            __syncthreads();
+            load_kv(i + kPrefetch);
+            gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK(_, _, _, stage), smem_copy_q, smem_copy_k, tid);
+
+            auto s_rc = rowcol_view(acc_s);
+            if (params.has_softcap) { apply_softcap(acc_s, params.softcap_pre); }
+            if (params.alibi_slopes != nullptr) {
+                apply_alibi(s_rc, coord_s_rc, row0, col0, diag_offset, alibi_slope);
+            }
+            bool const needs_mask =
+                col0 + kBlockN > sk ||
+                (params.window_right >= 0 && col0 + kBlockN - 1 > row0 + diag_offset + params.window_right) ||
+                (params.window_left >= 0 && col0 < row0 + kBlockM - 1 + diag_offset - params.window_left);
+            if (needs_mask) {
+                apply_mask(s_rc, coord_s_rc, row0, col0, sk, diag_offset, params.window_left, params.window_right);
+            }
+            softmax.update(s_rc, acc_o_rc, params.scale_log2);
+
+            Tensor rP = convert_fragment<Element>(acc_s);
+            Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+            cp_async_wait<2 * kPrefetch>();
+            __syncthreads();
+            gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt(_, _, _, stage), smem_copy_v, tid);
+        }
+        cp_async_wait<0>();
+    }
+
+    float lse[kRows];
+    softmax.finalize(acc_o_rc, params.logit_scale, lse);
+    store_output<Traits>(tiled_mma, acc_o, lse, smem, params, blk.m_block, blk.head, blk.batch, tid);
+}
+
+}  // namespace flash::sm80
