@@ -94,7 +94,8 @@ def cuda_extension_setup():
 
     class KernelBuild(BuildExtension):
         def build_extensions(self):
-            objects = compile_kernels(Path(self.build_temp) / "kernels")
+            # A fixed folder (not pip's temporary one) keeps rebuilds incremental and the ptxas logs findable.
+            objects = compile_kernels(ROOT / "build" / "kernels")
             for ext in self.extensions:
                 ext.extra_objects = list(ext.extra_objects or []) + objects
             super().build_extensions()

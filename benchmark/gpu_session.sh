@@ -15,7 +15,7 @@ MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install -e . --no-build-isolation -v > "
   || { grep -v "^ *$" "$out/build.log" | tail -60; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 grep -h "kernels built\|hdim.*: [0-9]* s" "$out/build.log" | tail -15
-grep -h "Compiling entry\|registers\|spill" build/*/kernels/*.log | paste - - - | \
+grep -h "Compiling entry\|registers\|spill" build/kernels/*.log | paste - - - | \
   sed -E 's/.*fwd_kernelINS0_9FwdTraitsIL?i?([^E]*)E.*for .(sm_[0-9a]+).*\t *([0-9]+ bytes stack frame, [0-9]+ bytes spill stores).*Used ([0-9]+) registers.*/\1 \2 \3 regs=\4/' \
   | sort -u > "$out/ptxas.txt"
 cat "$out/ptxas.txt"
