@@ -71,7 +71,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
 
         Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
-        Tensor sK = make_tensor(sQ.data() + Int<Traits::kSmemQElems>{}, typename Traits::SmemLayoutKV{});  // (N, D, stage)
+        // (N, D, stage)
+        Tensor sK = make_tensor(sQ.data() + Int<Traits::kSmemQElems>{}, typename Traits::SmemLayoutKV{});
         Tensor sV = make_tensor(sK.data() + Int<Traits::kSmemKVElems>{}, typename Traits::SmemLayoutKV{});
         Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});  // (D, N, stage)
 
@@ -93,9 +94,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 int const n_block = n_block_max - 1 - i;
                 int const stage = i % kStages;
                 int const rows_left = sk - n_block * kBlockN;
-                load_tile(gmem_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV, rows_left, d);
+                load_tile<kBlockN, kHeadDim>(gmem_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV,
+                                             rows_left, d);
                 cp_async_fence();
-                load_tile(gmem_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage), tKVcKV, rows_left, d);
+                load_tile<kBlockN, kHeadDim>(gmem_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage), tKVcKV,
+                                             rows_left, d);
                 cp_async_fence();
             } else {
                 cp_async_fence();
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
             }
         };
 
-        load_tile(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);  // joins the first K group
+        load_tile<kBlockM, kHeadDim>(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);  // joins the first K group
         CUTE_UNROLL
         for (int i = 0; i < kPrefetch; ++i) { load_kv(i); }
 
@@ -124,37 +127,48 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 ? 0.f
                 : params.alibi_slopes[blk.batch * params.alibi_batch_stride + blk.head] / params.logit_scale;
 
-        for (int i = 0; i < n_blocks; ++i) {
-            int const n_block = n_block_max - 1 - i;
-            int const stage = i % kStages;
-            int const col0 = n_block * kBlockN;
+        // The loop exists twice: with and without softcap / ALiBi. Left as runtime branches inside one loop, the
+        // compiler if-converts them and every iteration pays for their instructions.
+        auto mainloop = [&](auto with_score_mods) {
+            for (int i = 0; i < n_blocks; ++i) {
+                int const n_block = n_block_max - 1 - i;
+                int const stage = i % kStages;
+                int const col0 = n_block * kBlockN;
 
-            Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-            clear(acc_s);
-            cp_async_wait<2 * kPrefetch - 1>();
-            __syncthreads();
-            load_kv(i + kPrefetch);
-            gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK(_, _, _, stage), smem_copy_q, smem_copy_k, tid);
+                Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+                clear(acc_s);
+                cp_async_wait<2 * kPrefetch - 1>();
+                __syncthreads();
+                load_kv(i + kPrefetch);
+                gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK(_, _, _, stage), smem_copy_q, smem_copy_k, tid);
 
-            auto s_rc = rowcol_view(acc_s);
-            if (params.has_softcap) { apply_softcap(acc_s, params.softcap_pre); }
-            if (params.alibi_slopes != nullptr) {
-                apply_alibi(s_rc, coord_s_rc, row0, col0, diag_offset, alibi_slope);
+                auto s_rc = rowcol_view(acc_s);
+                if constexpr (decltype(with_score_mods)::value) {
+                    if (params.has_softcap) { apply_softcap(acc_s, params.softcap_pre); }
+                    if (params.alibi_slopes != nullptr) {
+                        apply_alibi(s_rc, coord_s_rc, row0, col0, diag_offset, alibi_slope);
+                    }
+                }
+                bool const needs_mask =
+                    col0 + kBlockN > sk ||
+                    (params.window_right >= 0 && col0 + kBlockN - 1 > row0 + diag_offset + params.window_right) ||
+                    (params.window_left >= 0 && col0 < row0 + kBlockM - 1 + diag_offset - params.window_left);
+                if (needs_mask) {
+                    apply_mask(s_rc, coord_s_rc, row0, col0, sk, diag_offset, params.window_left, params.window_right);
+                }
+                softmax.update(s_rc, acc_o_rc, params.scale_log2);
+
+                Tensor rP = convert_fragment<Element>(acc_s);
+                Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+                cp_async_wait<2 * kPrefetch>();
+                __syncthreads();
+                gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt(_, _, _, stage), smem_copy_v, tid);
             }
-            bool const needs_mask =
-                col0 + kBlockN > sk ||
-                (params.window_right >= 0 && col0 + kBlockN - 1 > row0 + diag_offset + params.window_right) ||
-                (params.window_left >= 0 && col0 < row0 + kBlockM - 1 + diag_offset - params.window_left);
-            if (needs_mask) {
-                apply_mask(s_rc, coord_s_rc, row0, col0, sk, diag_offset, params.window_left, params.window_right);
-            }
-            softmax.update(s_rc, acc_o_rc, params.scale_log2);
-
-            Tensor rP = convert_fragment<Element>(acc_s);
-            Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
-            cp_async_wait<2 * kPrefetch>();
-            __syncthreads();
-            gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt(_, _, _, stage), smem_copy_v, tid);
+        };
+        if (params.has_softcap || params.alibi_slopes != nullptr) {
+            mainloop(cute::true_type{});
+        } else {
+            mainloop(cute::false_type{});
         }
         cp_async_wait<0>();
     }

@@ -8,11 +8,16 @@ namespace flash::sm80 {
 
 using namespace cute;
 
-// Copies a (CPY, CPY_ROWS, CPY_COLS) partition from global to shared memory; chunks whose row or column lies past
-// the tensor's end are zero-filled instead, so padded keys never inject NaN into P V and padded columns add nothing.
-template <class TiledCopy, class TensorG, class TensorS, class TensorC>
+// Copies a (CPY, CPY_ROWS, CPY_COLS) partition of a kRows x kCols tile from global to shared memory; chunks whose
+// row or column lies past the tensor's end are zero-filled instead, so padded keys never inject NaN into P V and
+// padded columns add nothing. Full tiles (all rows present, cols == the kernel's head dim) take an unpredicated path.
+template <int kRows, int kCols, class TiledCopy, class TensorG, class TensorS, class TensorC>
 __device__ __forceinline__ void load_tile(TiledCopy const& tiled_copy, TensorG const& g, TensorS&& s,
                                           TensorC const& coord, int rows_left, int cols) {
+    if (rows_left >= kRows && cols == kCols) {
+        copy(tiled_copy, g, s);
+        return;
+    }
     CUTE_UNROLL
     for (int m = 0; m < size<1>(s); ++m) {
         bool const row_ok = get<0>(coord(0, m, 0)) < rows_left;
