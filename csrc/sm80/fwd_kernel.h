@@ -1,9 +1,10 @@
 // SM80-tier forward kernel: one CTA computes a kBlockM x d output tile, walking its visible key blocks from the last
 // to the first (masked blocks come first, so the unmasked steady state needs no mask work).
 //
-// cp.async pipeline: K and V of each key block are separate commit groups, kStages - 1 blocks are in flight ahead of
-// the one being consumed. Per block: wait K -> barrier -> issue the loads of block i + kStages - 1 into the stage freed
-// by block i - 1 -> S = Q K^T -> softcap / ALiBi / mask -> online softmax -> wait V -> barrier -> O += P V.
+// cp.async pipeline: K and V of each key block form one commit group, kStages - 1 blocks are in flight ahead of the
+// one being consumed. Per block: wait K, V -> barrier -> issue the loads of block i + kStages - 1 into the stage
+// freed by block i - 1 -> S = Q K^T -> softcap / ALiBi / mask -> online softmax -> O += P V. One barrier per block
+// lets one warp's softmax overlap another warp's MMAs.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -87,8 +88,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
         Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
-        // Two commit groups per key block (K, then V); past the last block the groups are empty, which keeps the
-        // wait counts below constant.
+        // One commit group per key block (K and V); past the last block the group is empty, which keeps the wait
+        // count below constant.
         auto load_kv = [&](int i) {
             if (i < n_blocks) {
                 int const n_block = n_block_max - 1 - i;
@@ -96,17 +97,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 int const rows_left = sk - n_block * kBlockN;
                 load_tile<kBlockN, kHeadDim>(gmem_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV,
                                              rows_left, d);
-                cp_async_fence();
                 load_tile<kBlockN, kHeadDim>(gmem_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage), tKVcKV,
                                              rows_left, d);
-                cp_async_fence();
-            } else {
-                cp_async_fence();
-                cp_async_fence();
             }
+            cp_async_fence();
         };
 
-        load_tile<kBlockM, kHeadDim>(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);  // joins the first K group
+        load_tile<kBlockM, kHeadDim>(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);  // joins the first K/V group
         CUTE_UNROLL
         for (int i = 0; i < kPrefetch; ++i) { load_kv(i); }
 
@@ -137,7 +134,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
                 Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
                 clear(acc_s);
-                cp_async_wait<2 * kPrefetch - 1>();
+                // This block's K and V were issued a whole block earlier: one barrier per block publishes them and
+                // also frees the stage that the next loads overwrite.
+                cp_async_wait<kPrefetch - 1>();
                 __syncthreads();
                 load_kv(i + kPrefetch);
                 gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK(_, _, _, stage), smem_copy_q, smem_copy_k, tid);
@@ -160,8 +159,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
                 Tensor rP = convert_fragment<Element>(acc_s);
                 Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
-                cp_async_wait<2 * kPrefetch>();
-                __syncthreads();
                 gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt(_, _, _, stage), smem_copy_v, tid);
             }
         };
