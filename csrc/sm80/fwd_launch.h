@@ -37,18 +37,19 @@ cudaError_t launch_first_fitting(FwdParams const& params, cudaStream_t stream) {
     }
 }
 
-// Tile shapes (kBlockM, kBlockN, warps, K/V stages). Up to d = 128 one configuration fits the 99 KB of sm86/89/120;
-// larger head dims fall back to smaller tiles there.
+// Tile shapes (kBlockM, kBlockN, warps, K/V stages), measured on an H200 (benchmark/RESULTS.md): 32 query rows per
+// warp halve the shared-memory reads per MMA, and narrow key blocks with three stages beat wider ones with two, which
+// spill. Up to d = 128 one configuration fits the 99 KB of sm86/89/120; larger head dims fall back to smaller tiles.
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
     if constexpr (kHeadDim == 32) {
-        return launch_fwd<FwdTraits<32, 128, 128, 4, 2, Element>>(params, stream);
+        return launch_fwd<FwdTraits<32, 128, 64, 4, 3, Element>>(params, stream);
     } else if constexpr (kHeadDim == 64) {
-        return launch_fwd<FwdTraits<64, 128, 128, 4, 2, Element>>(params, stream);
+        return launch_fwd<FwdTraits<64, 128, 64, 4, 3, Element>>(params, stream);
     } else if constexpr (kHeadDim == 96) {
-        return launch_fwd<FwdTraits<96, 128, 64, 4, 2, Element>>(params, stream);
+        return launch_fwd<FwdTraits<96, 128, 32, 4, 3, Element>>(params, stream);
     } else if constexpr (kHeadDim == 128) {
-        return launch_fwd<FwdTraits<128, 128, 64, 4, 2, Element>>(params, stream);
+        return launch_fwd<FwdTraits<128, 128, 32, 4, 3, Element>>(params, stream);
     } else if constexpr (kHeadDim == 192) {
         return launch_first_fitting<FwdTraits<192, 128, 64, 8, 2, Element>, FwdTraits<192, 64, 32, 4, 2, Element>>(
             params, stream);
