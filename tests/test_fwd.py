@@ -189,6 +189,25 @@ def test_forward(case):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+# Shared memory of GPUs whose tiles differ from the H100/H200's: sm86/89/120 (99 KB) and the A100 (163 KB).
+SMEM_BUDGETS = {"sm86": 101376, "a100": 166912}
+
+
+@pytest.mark.parametrize("budget", SMEM_BUDGETS, ids=list(SMEM_BUDGETS))
+@pytest.mark.parametrize("d", [160, 192, 224, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_small_smem_tiles(monkeypatch, dtype, d, budget):
+    """The fallback tiles of large head dims, forced on this GPU by capping the shared-memory budget."""
+    require_kernel(d, dtype)
+    monkeypatch.setenv("FLASH_ATTN_SMEM_BUDGET", str(SMEM_BUDGETS[budget]))
+    case = Case(dtype, d, 300, 517, heads="gqa", causal=True, window=(200, -1), alibi="h")
+    q, k, v, alibi = make_inputs(case)
+    kwargs = dict(causal=case.causal, window_size=case.window, alibi_slopes=alibi)
+    poison_allocator(case.b, case.sq, q.shape[2], case.d, case.dtype)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+    assert_matches_reference(out, lse, q, k, v, **kwargs)
+
+
 @pytest.mark.parametrize("d", [64, 59], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
