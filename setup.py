@@ -90,7 +90,15 @@ def compile_kernels(build_dir: Path) -> list[str]:
 
 
 def cuda_extension_setup():
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+
+    if torch.version.cuda is None or CUDA_HOME is None:
+        raise RuntimeError(
+            "flash-attention-cute builds its kernels with nvcc against a CUDA build of torch "
+            f"(found torch {torch.__version__}, CUDA_HOME={CUDA_HOME}). Install a CUDA torch and the CUDA toolkit, "
+            "or set FLASH_ATTN_SKIP_CUDA_BUILD=1 to install the Python package without kernels."
+        )
 
     class KernelBuild(BuildExtension):
         def build_extensions(self):
