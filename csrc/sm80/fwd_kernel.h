@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     int const tid = threadIdx.x;
 
     int const num_m_blocks = (params.sq + kBlockM - 1) / kBlockM;
-    BlockCoord const blk = decode_block(num_m_blocks, params.h);
+    BlockCoord const blk = decode_block(blockIdx.x, num_m_blocks, params.h);
     int const head_kv = blk.head / params.h_per_hk;
     int const sq = params.sq, sk = params.sk, d = params.d;
     int const diag_offset = sk - sq;  // bottom-right alignment of causal / local windows
@@ -89,23 +89,31 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
         // One commit group per key block (K and V); past the last block the group is empty, which keeps the wait
-        // count below constant.
-        auto load_kv = [&](int i) {
+        // count below constant. Only the first block visited (the last key block) can lack rows.
+        auto load_kv = [&](int i, auto check_rows) {
+            constexpr bool kCheckRows = decltype(check_rows)::value;
             if (i < n_blocks) {
                 int const n_block = n_block_max - 1 - i;
                 int const stage = i % kStages;
                 int const rows_left = sk - n_block * kBlockN;
-                load_tile<kBlockN, kHeadDim>(gmem_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV,
-                                             rows_left, d);
-                load_tile<kBlockN, kHeadDim>(gmem_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage), tKVcKV,
-                                             rows_left, d);
+                if constexpr (Traits::kBranchingLoads) {
+                    load_tile_branching<kBlockN, kHeadDim>(gmem_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage),
+                                                           tKVcKV, rows_left, d);
+                    load_tile_branching<kBlockN, kHeadDim>(gmem_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage),
+                                                           tKVcKV, rows_left, d);
+                } else {
+                    load_tile<kCheckRows>(gmem_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV,
+                                          rows_left, d);
+                    load_tile<kCheckRows>(gmem_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage), tKVcKV,
+                                          rows_left, d);
+                }
             }
             cp_async_fence();
         };
 
-        load_tile<kBlockM, kHeadDim>(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);  // joins the first K/V group
+        load_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);  // joins the first K/V group
         CUTE_UNROLL
-        for (int i = 0; i < kPrefetch; ++i) { load_kv(i); }
+        for (int i = 0; i < kPrefetch; ++i) { load_kv(i, cute::true_type{}); }
 
         Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
         Tensor tSrK = thr_mma.partition_fragment_B(sK(_, _, 0));
@@ -138,7 +146,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 // also frees the stage that the next loads overwrite.
                 cp_async_wait<kPrefetch - 1>();
                 __syncthreads();
-                load_kv(i + kPrefetch);
+                load_kv(i + kPrefetch, cute::false_type{});
                 gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK(_, _, _, stage), smem_copy_q, smem_copy_k, tid);
 
                 auto s_rc = rowcol_view(acc_s);
@@ -172,7 +180,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
     float lse[kRows];
     softmax.finalize(acc_o_rc, params.logit_scale, lse);
-    store_output<Traits>(tiled_mma, acc_o, lse, smem, params, blk.m_block, blk.head, blk.batch, tid);
+    BlockCoord const out_blk = decode_block(block_index_reread(), (params.sq + kBlockM - 1) / kBlockM, params.h);
+    store_output<Traits>(tiled_mma, acc_o, lse, smem, params, out_blk.m_block, out_blk.head, out_blk.batch,
+                         thread_index_reread());
 }
 
 }  // namespace flash::sm80

@@ -49,7 +49,7 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
     } else if constexpr (kHeadDim == 96) {
         return launch_fwd<FwdTraits<96, 128, 32, 4, 3, Element>>(params, stream);
     } else if constexpr (kHeadDim == 128) {
-        return launch_fwd<FwdTraits<128, 128, 32, 4, 3, Element>>(params, stream);
+        return launch_fwd<FwdTraits<128, 128, 32, 4, 3, Element, /*kBranchingLoads=*/true>>(params, stream);
     } else if constexpr (kHeadDim == 192) {
         return launch_first_fitting<FwdTraits<192, 128, 64, 8, 2, Element>, FwdTraits<192, 64, 32, 4, 2, Element>>(
             params, stream);

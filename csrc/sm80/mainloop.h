@@ -8,12 +8,34 @@ namespace flash::sm80 {
 
 using namespace cute;
 
-// Copies a (CPY, CPY_ROWS, CPY_COLS) partition of a kRows x kCols tile from global to shared memory; chunks whose
-// row or column lies past the tensor's end are zero-filled instead, so padded keys never inject NaN into P V and
-// padded columns add nothing. Full tiles (all rows present, cols == the kernel's head dim) take an unpredicated path.
-template <int kRows, int kCols, class TiledCopy, class TensorG, class TensorS, class TensorC>
+// Copies a (CPY, CPY_ROWS, CPY_COLS) partition of a kRows-row tile from global to shared memory with zero-filling
+// cp.async: a chunk whose row lies past `rows_left` or whose column lies past `cols` reads nothing and writes zeros, so
+// padded keys never inject NaN into P V and padded head-dim columns add nothing. The predicates do not branch, so the
+// loads keep one address chain per tile. kCheckRows = false promises that every row exists (all key blocks but the
+// last one): the row coordinates then need no registers, and a thread whose columns all exist copies unpredicated.
+template <bool kCheckRows, class TiledCopy, class TensorG, class TensorS, class TensorC>
 __device__ __forceinline__ void load_tile(TiledCopy const& tiled_copy, TensorG const& g, TensorS&& s,
                                           TensorC const& coord, int rows_left, int cols) {
+    if (!kCheckRows && get<1>(coord(0, 0, size<2>(s) - 1)) < cols) {
+        copy(tiled_copy, g, s);
+        return;
+    }
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(s); ++m) {
+        bool const row_ok = !kCheckRows || get<0>(coord(0, m, 0)) < rows_left;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(s); ++k) {
+            copy(tiled_copy.with(row_ok && get<1>(coord(0, m, k)) < cols), g(_, m, k), s(_, m, k));
+        }
+    }
+}
+
+// The same copy as load_tile, as a branch: whole tiles copy unpredicated, others copy or zero each chunk. Kept for the
+// head dims where it measured faster in the key loop (d = 128: 4% on an H200, benchmark/RESULTS.md); it holds one
+// 64-bit offset per row chunk for the slow path, which costs registers elsewhere.
+template <int kRows, int kCols, class TiledCopy, class TensorG, class TensorS, class TensorC>
+__device__ __forceinline__ void load_tile_branching(TiledCopy const& tiled_copy, TensorG const& g, TensorS&& s,
+                                                    TensorC const& coord, int rows_left, int cols) {
     if (rows_left >= kRows && cols == kCols) {
         copy(tiled_copy, g, s);
         return;

@@ -8,7 +8,8 @@ namespace flash::sm80 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, typename Element_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, typename Element_,
+          bool kBranchingLoads_ = false>
 struct FwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -19,6 +20,8 @@ struct FwdTraits {
     // K/V ring depth: block n + kStages - 1 is loading while block n is consumed.
     static constexpr int kStages = kStages_;
     static_assert(kStages >= 2, "the cp.async pipeline needs at least two K/V stages");
+    // K/V loads in the key loop: load_tile_branching instead of load_tile (chosen per tile by measurement).
+    static constexpr bool kBranchingLoads = kBranchingLoads_;
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA tiles");
     static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0);
 
@@ -48,13 +51,14 @@ struct FwdTraits {
     // Q, then K stages, then V stages; the output tile reuses Q's space.
     static constexpr int kSmemBytes = (kSmemQElems + 2 * kSmemKVElems) * int(sizeof(Element));
 
-    // gmem -> smem: 16 bytes per thread per copy, a row of kSmemRowElems covered by consecutive threads.
+    // gmem -> smem: 16 bytes per thread per copy (zero-filling cp.async, see load_tile), a row of kSmemRowElems covered
+    // by consecutive threads.
     static constexpr int kThreadsPerRow = kSmemRowElems / 8;
     static_assert(kNThreads % kThreadsPerRow == 0);
     using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
                                     Stride<Int<kThreadsPerRow>, _1>>;
     using GmemTiledCopyQKV = decltype(make_tiled_copy(
-        Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
+        Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{}, GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
     using GmemTiledCopyO = decltype(make_tiled_copy(
         Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
 
