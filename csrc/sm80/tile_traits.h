@@ -20,7 +20,7 @@ struct FwdTraits {
     // K/V ring depth: block n + kStages - 1 is loading while block n is consumed.
     static constexpr int kStages = kStages_;
     static_assert(kStages >= 2, "the cp.async pipeline needs at least two K/V stages");
-    // K/V loads in the key loop: load_tile_branching instead of load_tile (chosen per tile by measurement).
+    // K/V loads: load_tile_branching instead of load_tile, in the sm_90 build (chosen per tile by measurement).
     static constexpr bool kBranchingLoads = kBranchingLoads_;
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA tiles");
     static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0);
