@@ -57,8 +57,9 @@ struct FwdTraits {
     static_assert(kNThreads % kThreadsPerRow == 0);
     using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
                                     Stride<Int<kThreadsPerRow>, _1>>;
-    using GmemTiledCopyQKV = decltype(make_tiled_copy(
-        Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{}, GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
+    using GmemTiledCopyQKV =
+        decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{},
+                                 GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
     using GmemTiledCopyO = decltype(make_tiled_copy(
         Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
 
