@@ -208,6 +208,19 @@ def test_small_smem_tiles(monkeypatch, dtype, d, budget):
     assert_matches_reference(out, lse, q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("sk", [2048, 2112], ids=["short", "long"])
+@pytest.mark.parametrize("d", [192, 256], ids=lambda d: f"d{d}")
+def test_tile_choice_by_length(d, sk):
+    """Large head dims pick a 64-row tile (two CTAs per SM on the H100/H200) when the query tiles see up to 2048 keys,
+    and a 128-row tile above: both sides of the switch, with partial key blocks and GQA."""
+    require_kernel(d, bf16)
+    case = Case(bf16, d, 200, sk, heads="gqa", b=1)
+    q, k, v, _ = make_inputs(case)
+    poison_allocator(case.b, case.sq, q.shape[2], case.d, case.dtype)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert_matches_reference(out, lse, q, k, v)
+
+
 @pytest.mark.parametrize("d", [64, 59], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])

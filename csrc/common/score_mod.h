@@ -7,7 +7,22 @@
 #include <climits>
 #include <cmath>
 
+#include "fwd_params.h"
+
 namespace flash {
+
+// Keys [lo, hi) that some query row in [row_first, row_last] can see under the causal / local window; host and device
+// use it, to skip key blocks and to size the work of a query tile.
+struct KeyRange {
+    int lo, hi;
+};
+
+__host__ __device__ inline KeyRange visible_keys(FwdParams const& p, int row_first, int row_last) {
+    int const diag_offset = p.sk - p.sq;  // bottom-right alignment
+    int const lo = p.window_left >= 0 ? cute::max(0, row_first + diag_offset - p.window_left) : 0;
+    int const hi = p.window_right >= 0 ? cute::min(p.sk, row_last + diag_offset + p.window_right + 1) : p.sk;
+    return {lo, cute::max(lo, hi)};
+}
 
 // x <- tanh(x * pre); the softcap factor itself is folded into the softmax scale. tanh(y) = 1 - 2 / (e^{2y} + 1)
 // is exact to a few ulps in absolute terms (what the softmax sees) and saturates cleanly for large |y|.

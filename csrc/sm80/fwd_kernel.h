@@ -1,10 +1,14 @@
 // SM80-tier forward kernel: one CTA computes a kBlockM x d output tile, walking its visible key blocks from the last
 // to the first (masked blocks come first, so the unmasked steady state needs no mask work).
 //
-// cp.async pipeline: K and V of each key block form one commit group, kStages - 1 blocks are in flight ahead of the
-// one being consumed. Per block: wait K, V -> barrier -> issue the loads of block i + kStages - 1 into the stage
-// freed by block i - 1 -> S = Q K^T -> softcap / ALiBi / mask -> online softmax -> O += P V. One barrier per block
-// lets one warp's softmax overlap another warp's MMAs.
+// cp.async pipeline, two schedules:
+// - kStages >= 2: K and V of each key block form one commit group, kStages - 1 blocks are in flight ahead of the one
+//   being consumed. Per block: wait K, V -> barrier -> issue the loads of block i + kStages - 1 into the stage freed
+//   by block i - 1 -> S = Q K^T -> softcap / ALiBi / mask -> online softmax -> O += P V. One barrier per block lets
+//   one warp's softmax overlap another warp's MMAs.
+// - kStages == 1: one K and one V buffer, each its own commit group. Per block: wait K -> barrier -> issue V(i) ->
+//   S = Q K^T -> wait V -> barrier -> issue K(i + 1) -> softmax -> O += P V. Each load hides behind the other GEMM;
+//   the smaller footprint lets two CTAs share an SM, so one CTA's prologue and epilogue overlap the other's loop.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -29,6 +33,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kStages = Traits::kStages;
     constexpr int kPrefetch = kStages - 1;
+    constexpr bool kSplitKV = kStages == 1;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
     constexpr bool kBranchingLoads = Traits::kBranchingLoads;
@@ -48,11 +53,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     int const row0 = blk.m_block * kBlockM;
     int const row_last = min(sq, row0 + kBlockM) - 1;
 
-    // Keys that some row of this tile can see: [n_lo, n_hi).
-    int const n_lo = params.window_left >= 0 ? max(0, row0 + diag_offset - params.window_left) : 0;
-    int const n_hi = params.window_right >= 0 ? min(sk, row_last + diag_offset + params.window_right + 1) : sk;
-    int const n_block_min = n_lo / kBlockN;
-    int const n_blocks = n_hi > n_lo ? (n_hi + kBlockN - 1) / kBlockN - n_block_min : 0;
+    KeyRange const keys = visible_keys(params, row0, row_last);
+    int const n_block_min = keys.lo / kBlockN;
+    int const n_blocks = keys.hi > keys.lo ? (keys.hi + kBlockN - 1) / kBlockN - n_block_min : 0;
     int const n_block_max = n_block_min + n_blocks;
 
     typename Traits::TiledMma tiled_mma;
@@ -95,32 +98,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
         Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
-        // One commit group per key block (K and V); past the last block the group is empty, which keeps the wait
-        // count below constant. Only the first block visited (the last key block) can lack rows.
-        auto load_kv = [&](int i, auto check_rows) {
+        // Loads key block i (in visited order) of K or V into its stage. Only the first block visited (the last key
+        // block) can lack rows.
+        auto load_block = [&](auto const& tXgX, auto& tXsX, int i, auto check_rows) {
             constexpr bool kCheckRows = decltype(check_rows)::value;
+            int const n_block = n_block_max - 1 - i;
+            int const stage = i % kStages;
+            int const rows_left = sk - n_block * kBlockN;
+            if constexpr (kBranchingLoads) {
+                load_tile_branching<kBlockN, kHeadDim>(gmem_copy, tXgX(_, _, _, n_block), tXsX(_, _, _, stage),
+                                                       tKVcKV, rows_left, d);
+            } else {
+                load_tile<kCheckRows>(gmem_copy, tXgX(_, _, _, n_block), tXsX(_, _, _, stage), tKVcKV, rows_left,
+                                      d);
+            }
+        };
+        // One commit group per key block; past the last block the group is empty, which keeps the wait counts
+        // constant.
+        auto load_kv = [&](int i, auto check_rows) {
             if (i < n_blocks) {
-                int const n_block = n_block_max - 1 - i;
-                int const stage = i % kStages;
-                int const rows_left = sk - n_block * kBlockN;
-                if constexpr (kBranchingLoads) {
-                    load_tile_branching<kBlockN, kHeadDim>(gmem_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage),
-                                                           tKVcKV, rows_left, d);
-                    load_tile_branching<kBlockN, kHeadDim>(gmem_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage),
-                                                           tKVcKV, rows_left, d);
-                } else {
-                    load_tile<kCheckRows>(gmem_copy, tKgK(_, _, _, n_block), tKsK(_, _, _, stage), tKVcKV,
-                                          rows_left, d);
-                    load_tile<kCheckRows>(gmem_copy, tVgV(_, _, _, n_block), tVsV(_, _, _, stage), tKVcKV,
-                                          rows_left, d);
-                }
+                load_block(tKgK, tKsK, i, check_rows);
+                load_block(tVgV, tVsV, i, check_rows);
             }
             cp_async_fence();
         };
 
         load_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);  // joins the first K/V group
         CUTE_UNROLL
-        for (int i = 0; i < kPrefetch; ++i) { load_kv(i, cute::true_type{}); }
+        for (int i = 0; i < max(kPrefetch, 1); ++i) { load_kv(i, cute::true_type{}); }
 
         Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
         Tensor tSrK = thr_mma.partition_fragment_B(sK(_, _, 0));
@@ -149,12 +154,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
                 Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
                 clear(acc_s);
-                // This block's K and V were issued a whole block earlier: one barrier per block publishes them and
-                // also frees the stage that the next loads overwrite.
-                cp_async_wait<kPrefetch - 1>();
-                __syncthreads();
-                load_kv(i + kPrefetch, cute::false_type{});
+                if constexpr (kSplitKV) {
+                    // K(i) landed, and every warp is done with V(i - 1): its buffer takes V(i). Block 0's V came
+                    // with the prologue, so the loop never loads a partial block.
+                    cp_async_wait<0>();
+                    __syncthreads();
+                    if (i > 0) { load_block(tVgV, tVsV, i, cute::false_type{}); }
+                    cp_async_fence();
+                } else {
+                    // This block's K and V were issued a whole block earlier: one barrier per block publishes them
+                    // and also frees the stage that the next loads overwrite.
+                    cp_async_wait<kPrefetch - 1>();
+                    __syncthreads();
+                    load_kv(i + kPrefetch, cute::false_type{});
+                }
                 gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK(_, _, _, stage), smem_copy_q, smem_copy_k, tid);
+                if constexpr (kSplitKV) {
+                    // V(i) landed, and every warp is done with K(i): its buffer takes K(i + 1).
+                    cp_async_wait<0>();
+                    __syncthreads();
+                    if (i + 1 < n_blocks) { load_block(tKgK, tKsK, i + 1, cute::false_type{}); }
+                    cp_async_fence();
+                }
 
                 auto s_rc = rowcol_view(acc_s);
                 if constexpr (decltype(with_score_mods)::value) {

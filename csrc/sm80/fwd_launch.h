@@ -3,9 +3,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstdint>
 
 #include "../common/fwd_params.h"
+#include "../common/score_mod.h"
 #include "fwd_kernel.h"
 #include "tile_traits.h"
 
@@ -26,6 +29,24 @@ cudaError_t launch_fwd(FwdParams const& params, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
+// CTAs of this configuration that fit one SM's shared memory. Every GPU of the tier has 1 KB more per SM than per
+// block (the driver reserves 1 KB per resident block), so the per-block budget gives the per-SM one.
+template <class Traits>
+int ctas_per_sm(FwdParams const& params) {
+    return (params.max_smem_per_block + 1024) / (Traits::kSmemBytes + 1024);
+}
+
+// Mean number of keys that a tile of block_m query rows visits, after the causal / local window.
+inline int64_t mean_keys_per_tile(FwdParams const& params, int block_m) {
+    int const num_tiles = (params.sq + block_m - 1) / block_m;
+    int64_t keys = 0;
+    for (int m = 0; m < num_tiles; ++m) {
+        KeyRange const r = visible_keys(params, m * block_m, std::min(params.sq, (m + 1) * block_m) - 1);
+        keys += r.hi - r.lo;
+    }
+    return num_tiles > 0 ? keys / num_tiles : 0;
+}
+
 // Launches the first configuration whose shared memory fits the device (largest tile first).
 template <class Traits, class... Fallbacks>
 cudaError_t launch_first_fitting(FwdParams const& params, cudaStream_t stream) {
@@ -37,9 +58,20 @@ cudaError_t launch_first_fitting(FwdParams const& params, cudaStream_t stream) {
     }
 }
 
-// Tile shapes (kBlockM, kBlockN, warps, K/V stages), measured on an H200 (benchmark/RESULTS.md): 32 query rows per
-// warp halve the shared-memory reads per MMA, and narrow key blocks with three stages beat wider ones with two, which
-// spill. Up to d = 128 one configuration fits the 99 KB of sm86/89/120; larger head dims fall back to smaller tiles.
+// Large head dims: a 64-row tile when two of its CTAs fit one SM and the query tiles are short (mean visible keys of
+// a 128-row tile up to 2k), else the first of Larger..., Small that fits. With two CTAs per SM, one CTA's prologue and
+// epilogue overlap the other's key loop; on long tiles the larger tile's fewer K/V reads per query win instead.
+template <class Small, class... Larger>
+cudaError_t launch_by_tile_length(FwdParams const& params, cudaStream_t stream) {
+    if (ctas_per_sm<Small>(params) >= 2 && mean_keys_per_tile(params, 128) <= 2048) {
+        return launch_fwd<Small>(params, stream);
+    }
+    return launch_first_fitting<Larger..., Small>(params, stream);
+}
+
+// Tile shapes (kBlockM, kBlockN, warps, K/V stages; 1 stage = the split K/V schedule), measured on an H200
+// (benchmark/RESULTS.md): 32 query rows per warp halve the shared-memory reads per MMA, and narrow key blocks with
+// three stages beat wider ones with two, which spill. Up to d = 192 the largest tile fits the 99 KB of sm86/89/120.
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
     if constexpr (kHeadDim == 32) {
@@ -51,12 +83,14 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
     } else if constexpr (kHeadDim == 128) {
         return launch_fwd<FwdTraits<128, 128, 32, 4, 3, Element, /*kBranchingLoads=*/true>>(params, stream);
     } else if constexpr (kHeadDim == 192) {
-        return launch_first_fitting<FwdTraits<192, 128, 64, 8, 2, Element>, FwdTraits<192, 64, 32, 4, 2, Element>>(
+        // 96 KB and 72 KB.
+        return launch_by_tile_length<FwdTraits<192, 64, 64, 4, 1, Element>, FwdTraits<192, 128, 64, 8, 1, Element>>(
             params, stream);
     } else {
         static_assert(kHeadDim == 256, "kernel head dims are 32, 64, 96, 128, 192, 256");
-        return launch_first_fitting<FwdTraits<256, 128, 64, 8, 2, Element>, FwdTraits<256, 128, 32, 8, 2, Element>,
-                                    FwdTraits<256, 64, 32, 4, 2, Element>>(params, stream);
+        // 192 KB (H100/H200), 128 KB (A100), 96 KB (sm86/89/120, and the short tiles of the H100/H200).
+        return launch_by_tile_length<FwdTraits<256, 64, 64, 4, 1, Element>, FwdTraits<256, 128, 64, 8, 2, Element>,
+                                     FwdTraits<256, 128, 64, 8, 1, Element>>(params, stream);
     }
 }
 
