@@ -6,9 +6,10 @@
 //   being consumed. Per block: wait K, V -> barrier -> issue the loads of block i + kStages - 1 into the stage freed
 //   by block i - 1 -> S = Q K^T -> softcap / ALiBi / mask -> online softmax -> O += P V. One barrier per block lets
 //   one warp's softmax overlap another warp's MMAs.
-// - kStages == 1: one K and one V buffer, each its own commit group. Per block: wait K -> barrier -> issue V(i) ->
-//   S = Q K^T -> wait V -> barrier -> issue K(i + 1) -> softmax -> O += P V. Each load hides behind the other GEMM;
-//   the smaller footprint lets two CTAs share an SM, so one CTA's prologue and epilogue overlap the other's loop.
+// - kStages == 1: one K and one V buffer; block 0's K and V come with Q, later loads are one commit group each. Per
+//   block: wait K -> barrier -> issue V(i) -> S = Q K^T -> wait V -> barrier -> issue K(i + 1) -> softmax ->
+//   O += P V. Each load hides behind the other GEMM; the smaller footprint lets two CTAs share an SM, so one CTA's
+//   prologue and epilogue overlap the other's loop.
 #pragma once
 
 #include <cute/tensor.hpp>
