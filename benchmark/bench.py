@@ -1,7 +1,7 @@
 """Forward attention throughput of flash_attention beside the peers importable on this machine.
 
-TFLOPS from 4 * b * h * sq * sk * d FLOPs (halved when causal), timed with CUDA events: warm-up, then the median of
-the timed runs. Peers: PyTorch SDPA under its FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION and
+TFLOPS from 4 * b * h * sq * sk * d FLOPs (halved when causal), timed with CUDA events: per shape, rounds of warm-up
+and timed runs with the providers in rotating order, then the median of all timed runs. Peers: PyTorch SDPA under its FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION and
 EFFICIENT_ATTENTION backends, flash-attn 2 (`flash_attn`) and FlashAttention-4 (`flash_attn.cute`) when installed.
 A peer that is missing or fails on a shape shows as n/a.
 
@@ -12,6 +12,7 @@ A peer that is missing or fails on a shape shows as n/a.
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -26,6 +27,8 @@ from torch.nn.attention.bias import causal_lower_right
 from flash_attention import flash_attn_func
 
 PEERS = ("sdpa_flash", "sdpa_cudnn", "sdpa_eff", "fa2", "fa4")
+# Peers that get an ours/peer column and summary: (provider, column label).
+RATIO_PEERS = (("sdpa_flash", "flash"), ("sdpa_cudnn", "cudnn"), ("fa4", "fa4"))
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -66,7 +69,7 @@ def make_provider(name, tier):
     raise ValueError(f"unknown provider {name!r}; known: ours, {', '.join(PEERS)}")
 
 
-def time_ms(fn, warmup, iters):
+def time_samples_ms(fn, warmup, iters):
     for _ in range(warmup):
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -76,7 +79,19 @@ def time_ms(fn, warmup, iters):
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
+    return [start.elapsed_time(end) for start, end in zip(starts, ends)]
+
+
+def time_providers_ms(fns, warmup, iters, rounds):
+    """Median time of each provider over `rounds` rounds of warm-up + iters calls. The order rotates every round, so
+    the clock and power state that one provider leaves behind (a fast peer heats the GPU) falls on every provider
+    alike instead of always on the one timed after it."""
+    samples = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples[name] += time_samples_ms(fns[name], warmup, iters)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def reference_subset(q, k, v, causal):
@@ -180,7 +195,8 @@ def main():
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
     parser.add_argument("--tier", default=None, help="force a tier of ours, e.g. sm80")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=30, help="timed calls per provider and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per shape, providers in rotating order")
     parser.add_argument("--no-check", action="store_true", help="skip the fp32 accuracy check")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--png", metavar="PATH")
@@ -199,9 +215,10 @@ def main():
 
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, {args.dtype}, "
-          f"warm-up {args.warmup}, median of {args.iters}")
-    columns = ["b", "sq", "sk", "h", "hk", "d", "causal"] + names + ["ours/flash", "ours/cudnn"]
-    widths = [4, 6, 6, 4, 4, 4, 6] + [max(10, len(n)) for n in names] + [10, 10]
+          f"{args.rounds} rounds of warm-up {args.warmup} + {args.iters} timed calls, median")
+    ratios = [(peer, f"ours/{label}") for peer, label in RATIO_PEERS if peer in providers]
+    columns = ["b", "sq", "sk", "h", "hk", "d", "causal"] + names + [key for _, key in ratios]
+    widths = [4, 6, 6, 4, 4, 4, 6] + [max(10, len(n)) for n in names] + [10] * len(ratios)
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
 
     rows = []
@@ -213,9 +230,10 @@ def main():
         ref, ref_heads = (None, 0) if args.no_check else reference_subset(q, k, v, causal)
         row = dict(b=b, sq=sq, sk=sk, h=h, hk=hk, d=d, causal=causal, dtype=args.dtype)
         bad = set()
+        runnable = {}
         for name, fn in providers.items():
             row[f"{name}_tflops"] = None
-            try:
+            try:  # the first call also compiles the JIT peers, outside the timing
                 out = fn(q, k, v, causal)
                 if not torch.isfinite(out).all():
                     raise RuntimeError("non-finite output")
@@ -224,18 +242,19 @@ def main():
                     if not row[f"{name}_relerr"] <= RELERR_LIMIT:
                         bad.add(name)
                 del out
-                ms = time_ms(lambda: fn(q, k, v, causal), args.warmup, args.iters)
-                row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
+                runnable[name] = functools.partial(fn, q, k, v, causal)
             except Exception as e:  # one failing provider must not stop the others
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        for peer, key in (("sdpa_flash", "ours/flash"), ("sdpa_cudnn", "ours/cudnn")):
+        for name, ms in time_providers_ms(runnable, args.warmup, args.iters, args.rounds).items():
+            row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
+        for peer, key in ratios:
             ours, theirs = row["ours_tflops"], row.get(f"{peer}_tflops")
             row[key] = ours / theirs if ours and theirs else None
         rows.append(row)
 
         cells = [str(b), str(sq), str(sk), str(h), str(hk), str(d), "yes" if causal else "no"]
         cells += [fmt(row[f"{n}_tflops"], ".1f") + ("!" if n in bad else "") for n in names]
-        cells += [fmt(row["ours/flash"], ".3f"), fmt(row["ours/cudnn"], ".3f")]
+        cells += [fmt(row[key], ".3f") for _, key in ratios]
         print("  ".join(c.rjust(w) for c, w in zip(cells, widths)), flush=True)
 
     failures = sorted({k[: -len("_error")] for r in rows for k in r if k.endswith("_error")})
@@ -245,16 +264,13 @@ def main():
     if not args.no_check:
         print(f"'!' marks a result whose relative error against fp32 exceeds {RELERR_LIMIT}")
 
-    flash_ratios = [r["ours/flash"] for r in rows if r["ours/flash"] is not None]
-    cudnn_ratios = [r["ours/cudnn"] for r in rows if r["ours/cudnn"] is not None]
-    summary = dict(
-        geomean_ours_over_sdpa_flash=geomean(flash_ratios),
-        geomean_ours_over_sdpa_cudnn=geomean(cudnn_ratios),
-        min_ours_over_sdpa_flash=min(flash_ratios) if flash_ratios else None,
-    )
-    print(f"geomean ours/sdpa_flash: {fmt(summary['geomean_ours_over_sdpa_flash'], '.3f')}   "
-          f"geomean ours/sdpa_cudnn: {fmt(summary['geomean_ours_over_sdpa_cudnn'], '.3f')}   "
-          f"min ours/sdpa_flash: {fmt(summary['min_ours_over_sdpa_flash'], '.3f')}")
+    summary = {}
+    for peer, key in ratios:
+        values = [r[key] for r in rows if r[key] is not None]
+        summary[f"geomean_ours_over_{peer}"] = geomean(values)
+        summary[f"min_ours_over_{peer}"] = min(values) if values else None
+    print("   ".join(f"{stat} ours/{peer}: {fmt(summary[f'{stat}_ours_over_{peer}'], '.3f')}"
+                     for peer, _ in ratios for stat in ("geomean", "min")))
 
     if args.json:
         meta = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, dtype=args.dtype, tier=args.tier,
