@@ -1,8 +1,9 @@
 """Forward attention throughput of flash_attention beside the peers importable on this machine.
 
 TFLOPS from 4 * b * h * sq * sk * d FLOPs (halved when causal), timed with CUDA events: per shape, rounds of warm-up
-and timed runs with the providers in rotating order, then the median of all timed runs. Peers: PyTorch SDPA under its FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION and
-EFFICIENT_ATTENTION backends, flash-attn 2 (`flash_attn`) and FlashAttention-4 (`flash_attn.cute`) when installed.
+and timed runs with the providers in random order, then the median of all timed runs. Peers: PyTorch SDPA under its
+FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, flash-attn 2 (`flash_attn`)
+and FlashAttention-4 (`flash_attn.cute`) when installed.
 A peer that is missing or fails on a shape shows as n/a.
 
     python benchmark/bench.py                         # 16k tokens, model dim 2048, head dims 64/128/256
@@ -16,6 +17,7 @@ import functools
 import itertools
 import json
 import math
+import random
 import statistics
 import sys
 
@@ -82,14 +84,13 @@ def time_samples_ms(fn, warmup, iters):
     return [start.elapsed_time(end) for start, end in zip(starts, ends)]
 
 
-def time_providers_ms(fns, warmup, iters, rounds):
-    """Median time of each provider over `rounds` rounds of warm-up + iters calls. The order rotates every round, so
-    the clock and power state that one provider leaves behind (a fast peer heats the GPU) falls on every provider
-    alike instead of always on the one timed after it."""
+def time_providers_ms(fns, warmup, iters, rounds, rng):
+    """Median time of each provider over `rounds` rounds of warm-up + iters calls, in a fresh random order every
+    round. The clock and power state that one provider leaves behind (FA4 and cuDNN heat the GPU most) then falls on
+    a different provider each time; in a fixed or rotated order it always falls on the same successor."""
     samples = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    for _ in range(rounds):
+        for name in rng.sample(list(fns), len(fns)):
             samples[name] += time_samples_ms(fns[name], warmup, iters)
     return {name: statistics.median(s) for name, s in samples.items()}
 
@@ -196,7 +197,7 @@ def main():
     parser.add_argument("--tier", default=None, help="force a tier of ours, e.g. sm80")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30, help="timed calls per provider and round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per shape, providers in rotating order")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per shape, providers in random order")
     parser.add_argument("--no-check", action="store_true", help="skip the fp32 accuracy check")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--png", metavar="PATH")
@@ -222,6 +223,7 @@ def main():
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
 
     rows = []
+    rng = random.Random(0)
     for b, sq, sk, h, hk, d, causal in build_configs(args):
         q = torch.randn(b, sq, h, d, dtype=dtype, device="cuda")
         k = torch.randn(b, sk, hk, d, dtype=dtype, device="cuda")
@@ -245,7 +247,7 @@ def main():
                 runnable[name] = functools.partial(fn, q, k, v, causal)
             except Exception as e:  # one failing provider must not stop the others
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        for name, ms in time_providers_ms(runnable, args.warmup, args.iters, args.rounds).items():
+        for name, ms in time_providers_ms(runnable, args.warmup, args.iters, args.rounds, rng).items():
             row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
         for peer, key in ratios:
             ours, theirs = row["ours_tflops"], row.get(f"{peer}_tflops")
