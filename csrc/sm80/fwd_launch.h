@@ -1,4 +1,5 @@
-// SM80-tier launch: tile configuration per head dim (the first that fits the device's shared memory) and the launch.
+// SM80-tier launch: tile configuration per head dim (by shared memory, and for d 192 / 256 by query-tile length) and
+// the launch.
 #pragma once
 
 #include <cuda_runtime.h>
