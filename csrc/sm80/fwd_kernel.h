@@ -36,13 +36,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     constexpr int kPrefetch = kStages - 1;
     constexpr bool kSplitKV = kStages == 1;
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-    constexpr bool kBranchingLoads = Traits::kBranchingLoads;
-#else
-    // The branching load measured faster on sm_90 only; on sm_80 it spills more than the zero-filling one.
-    constexpr bool kBranchingLoads = false;
-#endif
-
     extern __shared__ __align__(128) char smem[];
     int const tid = threadIdx.x;
 
@@ -105,14 +98,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
             constexpr bool kCheckRows = decltype(check_rows)::value;
             int const n_block = n_block_max - 1 - i;
             int const stage = i % kStages;
-            int const rows_left = sk - n_block * kBlockN;
-            if constexpr (kBranchingLoads) {
-                load_tile_branching<kBlockN, kHeadDim>(gmem_copy, tXgX(_, _, _, n_block), tXsX(_, _, _, stage),
-                                                       tKVcKV, rows_left, d);
-            } else {
-                load_tile<kCheckRows>(gmem_copy, tXgX(_, _, _, n_block), tXsX(_, _, _, stage), tKVcKV, rows_left,
-                                      d);
-            }
+            load_tile<kCheckRows>(gmem_copy, tXgX(_, _, _, n_block), tXsX(_, _, _, stage), tKVcKV,
+                                  sk - n_block * kBlockN, d);
         };
         // One commit group per key block; past the last block the group is empty, which keeps the wait counts
         // constant.
@@ -134,9 +121,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
         auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
         auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
-        Tensor tSsQ = smem_copy_q.get_thread_slice(tid).partition_S(sQ);
-        Tensor tSsK = smem_copy_k.get_thread_slice(tid).partition_S(sK);    // (CPY, N, K, stage)
-        Tensor tOsVt = smem_copy_v.get_thread_slice(tid).partition_S(sVt);  // (CPY, D, N, stage)
+        auto const tSsQ = make_xor_operand(smem_copy_q.get_thread_slice(tid), sQ);
+        auto const tSsK = make_xor_operand(smem_copy_k.get_thread_slice(tid), sK);    // (CPY, N, K, stage)
+        auto const tOsVt = make_xor_operand(smem_copy_v.get_thread_slice(tid), sVt);  // (CPY, D, N, stage)
 
         Tensor coord_s_rc =
             rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
@@ -169,7 +156,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                     __syncthreads();
                     load_kv(i + kPrefetch, cute::false_type{});
                 }
-                gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK(_, _, _, stage), smem_copy_q, smem_copy_k, tid);
+                gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK.stage(stage), smem_copy_q, smem_copy_k, tid);
                 if constexpr (kSplitKV) {
                     // V(i) landed, and every warp is done with K(i): its buffer takes K(i + 1).
                     cp_async_wait<0>();
@@ -196,7 +183,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
                 Tensor rP = convert_fragment<Element>(acc_s);
                 Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
-                gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt(_, _, _, stage), smem_copy_v, tid);
+                gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt.stage(stage), smem_copy_v, tid);
             }
         };
         if (params.has_softcap || params.alibi_slopes != nullptr) {

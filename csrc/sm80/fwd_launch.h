@@ -82,7 +82,7 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
     } else if constexpr (kHeadDim == 96) {
         return launch_fwd<FwdTraits<96, 128, 32, 4, 3, Element>>(params, stream);
     } else if constexpr (kHeadDim == 128) {
-        return launch_fwd<FwdTraits<128, 128, 32, 4, 3, Element, /*kBranchingLoads=*/true>>(params, stream);
+        return launch_fwd<FwdTraits<128, 128, 32, 4, 3, Element>>(params, stream);
     } else if constexpr (kHeadDim == 192) {
         // 96 KB and 72 KB.
         return launch_by_tile_length<FwdTraits<192, 64, 64, 4, 1, Element>, FwdTraits<192, 128, 64, 8, 1, Element>>(

@@ -30,45 +30,82 @@ __device__ __forceinline__ void load_tile(TiledCopy const& tiled_copy, TensorG c
     }
 }
 
-// The same copy as load_tile, as a branch: whole tiles copy unpredicated, others copy or zero each chunk. Kept for the
-// head dims where it measured faster in the key loop (d = 128: 4% on an H200, benchmark/RESULTS.md); it holds one
-// 64-bit offset per row chunk for the slow path, which costs registers elsewhere.
-template <int kRows, int kCols, class TiledCopy, class TensorG, class TensorS, class TensorC>
-__device__ __forceinline__ void load_tile_branching(TiledCopy const& tiled_copy, TensorG const& g, TensorS&& s,
-                                                    TensorC const& coord, int rows_left, int cols) {
-    if (rows_left >= kRows && cols == kCols) {
-        copy(tiled_copy, g, s);
-        return;
+// A thread's ldmatrix partition of a swizzled shared-memory tile, addressed from one held value per operand.
+// The swizzle Sw is linear over XOR, and Sw(x + y) = Sw(x) + y when y is a multiple of its period P. A thread's own
+// offset t in an ldmatrix partition is a row start plus 0 or 8 columns, while the operand's slices step by whole
+// 16-column groups or by multiples of P, so t + s never carries below P and
+//   Sw(t + s) = (Sw(t) ^ Sw(s mod P)) + (s - s mod P):
+// one LOP3 per slice from Sw(t). Left to itself, the compiler hoists one address per XOR pattern out of the key loop
+// (four per operand), and those registers are what made ptxas spill.
+template <class Element, class Swizzle_, class Layout_>
+struct XorSmemOperand {
+    static constexpr int kPeriod = 1 << (Swizzle_::num_base + Swizzle_::num_shft + Swizzle_::num_bits);
+    static constexpr int kChunk = 1 << Swizzle_::num_base;  // elements that the swizzle moves together
+    static_assert(Swizzle_::num_shft >= Swizzle_::num_bits && is_static_v<Layout_>);
+
+    Element* ptr;  // tile start, plus whole periods (stages)
+    int base;      // Sw(t)
+
+    // The ldmatrix source of slice (i, j): its copy mode, which must stay inside one chunk.
+    __device__ __forceinline__ auto operator()(int i, int j) const {
+        auto const [chunk, s] = slice_and_offset(make_coord(_, i, j), Layout_{});
+        static_assert(cosize(std::decay_t<decltype(chunk)>{}) <= kChunk);
+        int const s_lo = s & (kPeriod - 1);
+        return make_tensor(make_smem_ptr(ptr + ((base ^ Swizzle_{}(s_lo)) + (s - s_lo))), chunk);
     }
-    CUTE_UNROLL
-    for (int m = 0; m < size<1>(s); ++m) {
-        bool const row_ok = get<0>(coord(0, m, 0)) < rows_left;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(s); ++k) {
-            if (row_ok && get<1>(coord(0, m, k)) < cols) {
-                copy(tiled_copy, g(_, m, k), s(_, m, k));
-            } else {
-                clear(s(_, m, k));
+
+    // The operand of one K/V stage (a trailing mode whose stride is a multiple of the period), taken once per key
+    // block. Its base is made opaque there, so the slice addresses are derived inside the key loop instead of being
+    // held across it; Q's, the same in every block, stay hoisted (the split measured spill-free on every tile).
+    __device__ __forceinline__ auto stage(int i) const {
+        static_assert(rank_v<Layout_> == 4);
+        static_assert([] {
+            for (int j = 0; j < size<3>(Layout_{}); ++j) {
+                if (Layout_{}(0, 0, 0, j) % kPeriod != 0) { return false; }
             }
-        }
+            return true;
+        }());
+        int opaque_base = base;
+        asm volatile("" : "+r"(opaque_base));
+        return XorSmemOperand<Element, Swizzle_, decltype(take<0, 3>(Layout_{}))>{ptr + Layout_{}(0, 0, 0, i),
+                                                                                  opaque_base};
     }
+};
+
+// The thread's ldmatrix partition of the swizzled smem tile `tile` (layout Sw o L, L static) under `thr_copy`.
+// (CuTe's own partition of a swizzled tile turns the XOR into per-thread runtime strides, which the compiler combines
+// into one held address per XOR pattern.)
+template <class ThrCopy, class SmemTensor>
+__device__ __forceinline__ auto make_xor_operand(ThrCopy const& thr_copy, SmemTensor const& tile) {
+    using Element = typename std::decay_t<SmemTensor>::value_type;
+    auto const& layout = tile.layout();
+    Element* const ptr = raw_pointer_cast(tile.data());
+    Tensor unswizzled = thr_copy.partition_S(make_tensor(tile.data(), layout.layout_b()));
+    int const t = int(raw_pointer_cast(unswizzled.data()) - ptr);
+    return XorSmemOperand<Element, std::decay_t<decltype(layout.layout_a())>, decltype(unswizzled.layout())>{
+        ptr, layout.layout_a()(t)};
+}
+
+// Copies k-slice k of an smem operand into its register view (rank 3: copy mode, rows, k).
+template <class Copy, class Operand, class RegView>
+__device__ __forceinline__ void load_k_slice(Copy const& copy_op, Operand const& s, RegView& r, int k) {
+    CUTE_UNROLL
+    for (int i = 0; i < size<1>(r); ++i) { copy(copy_op, s(i, k), r(_, i, k)); }
 }
 
 // acc += A B^T with both operands in shared memory; the ldmatrix of slice k+1 is issued before the MMAs of slice k.
 template <class TiledMma, class Acc, class RegA, class RegB, class SmemA, class SmemB, class CopyA, class CopyB>
 __device__ __forceinline__ void gemm_ss(TiledMma const& mma, Acc& acc, RegA& rA, RegB& rB, SmemA const& sA,
                                         SmemB const& sB, CopyA const& copy_a, CopyB const& copy_b, int tid) {
-    auto thr_copy_a = copy_a.get_thread_slice(tid);
-    auto thr_copy_b = copy_b.get_thread_slice(tid);
-    auto rA_view = thr_copy_a.retile_D(rA);
-    auto rB_view = thr_copy_b.retile_D(rB);
-    copy(copy_a, sA(_, _, 0), rA_view(_, _, 0));
-    copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
+    auto rA_view = copy_a.get_thread_slice(tid).retile_D(rA);
+    auto rB_view = copy_b.get_thread_slice(tid).retile_D(rB);
+    load_k_slice(copy_a, sA, rA_view, 0);
+    load_k_slice(copy_b, sB, rB_view, 0);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(rA); ++k) {
         if (k + 1 < size<2>(rA)) {
-            copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
-            copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+            load_k_slice(copy_a, sA, rA_view, k + 1);
+            load_k_slice(copy_b, sB, rB_view, k + 1);
         }
         gemm(mma, rA(_, _, k), rB(_, _, k), acc);
     }
@@ -78,12 +115,11 @@ __device__ __forceinline__ void gemm_ss(TiledMma const& mma, Acc& acc, RegA& rA,
 template <class TiledMma, class Acc, class RegA, class RegB, class SmemB, class CopyB>
 __device__ __forceinline__ void gemm_rs(TiledMma const& mma, Acc& acc, RegA const& rA, RegB& rB, SmemB const& sB,
                                         CopyB const& copy_b, int tid) {
-    auto thr_copy_b = copy_b.get_thread_slice(tid);
-    auto rB_view = thr_copy_b.retile_D(rB);
-    copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
+    auto rB_view = copy_b.get_thread_slice(tid).retile_D(rB);
+    load_k_slice(copy_b, sB, rB_view, 0);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(rA); ++k) {
-        if (k + 1 < size<2>(rA)) { copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1)); }
+        if (k + 1 < size<2>(rA)) { load_k_slice(copy_b, sB, rB_view, k + 1); }
         gemm(mma, rA(_, _, k), rB(_, _, k), acc);
     }
 }

@@ -8,8 +8,7 @@ namespace flash::sm80 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, typename Element_,
-          bool kBranchingLoads_ = false>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, typename Element_>
 struct FwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -21,8 +20,6 @@ struct FwdTraits {
     // loads alternate with the two GEMMs (see fwd_kernel.h).
     static constexpr int kStages = kStages_;
     static_assert(kStages >= 1);
-    // K/V loads: load_tile_branching instead of load_tile, in the sm_90 build (chosen per tile by measurement).
-    static constexpr bool kBranchingLoads = kBranchingLoads_;
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA tiles");
     static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0);
 
