@@ -1,5 +1,6 @@
-// SM80-tier mainloop pieces: predicated cp.async tile loads, the two GEMMs (S = Q K^T from shared memory, O += P V
-// with P in registers) with ldmatrix software-pipelined one k-slice ahead, and accumulator layout views.
+// SM80-tier mainloop pieces: predicated cp.async tile loads, ldmatrix operands addressed by XOR, the two GEMMs
+// (S = Q K^T from shared memory, O += P V with P in registers) with ldmatrix software-pipelined one k-slice ahead, and
+// accumulator layout views.
 #pragma once
 
 #include <cute/tensor.hpp>
