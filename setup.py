@@ -110,7 +110,7 @@ def cuda_extension_setup():
 
     ext = CUDAExtension(
         name="flash_attention._C",
-        sources=["csrc/api/flash_api.cpp", "csrc/api/kernel_registry.cpp"],
+        sources=["csrc/api/flash_api.cpp"],
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={"cxx": ["-O3", "-std=c++17"]},
     )

@@ -1,5 +1,5 @@
-"""CI's compile check: compiles one kernel source per tier with nvcc for that tier's first arch (no GPU needed)
-and prints the ptxas resource report (registers, spills, shared memory)."""
+"""CI's compile check: compiles one kernel source per tier and direction with nvcc for that tier's first arch (no GPU
+needed) and prints the ptxas resource report (registers, spills, shared memory)."""
 import re
 import subprocess
 import sys
@@ -17,9 +17,8 @@ CHECK_HEAD_DIM = 128
 
 def main() -> int:
     failed = False
-    for tier in generate_kernels.TIERS:
-        src = generate_kernels.kernel_sources(tiers=[tier], head_dims=[CHECK_HEAD_DIM], dtypes=["bf16"])[0]
-        arch = generate_kernels.tier_archs(tier)[0]
+    for src in generate_kernels.kernel_sources(head_dims=[CHECK_HEAD_DIM], dtypes=["bf16"]):
+        arch = generate_kernels.tier_archs(src.tier)[0]
         with tempfile.TemporaryDirectory() as tmp:
             cmd = build_config.nvcc_command(src.path, Path(tmp) / "k.o", [arch], None)
             t0 = time.time()

@@ -1,4 +1,5 @@
-"""The `flash_attention::fwd` custom op, the compiled extension behind it, and tier selection."""
+"""The `flash_attention::fwd` and `flash_attention::bwd` custom ops (wired together for autograd), the compiled
+extension behind them, and tier selection."""
 
 import functools
 import importlib
@@ -6,6 +7,8 @@ import os
 from typing import FrozenSet, Optional, Sequence, Tuple
 
 import torch
+
+from ._kernel_dims import KERNEL_HEAD_DIMS, kernel_head_dim
 
 TIER_IDS = {"sm80": 80, "sm90": 90, "sm100": 100}
 
@@ -17,7 +20,6 @@ _TIER_RUNS_ON = {
     "sm100": lambda cc: cc[0] == 10,
 }
 
-KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 TIER_ENV_VAR = "FLASH_ATTN_TIER"
 
@@ -94,16 +96,8 @@ def select_tier(capability: Sequence[int], override: Optional[str] = None) -> st
     return "sm80"
 
 
-def kernel_head_dim(head_dim: int) -> int:
-    """The compiled head dim that serves `head_dim`: the smallest one that is at least as large."""
-    for kernel_dim in KERNEL_HEAD_DIMS:
-        if head_dim <= kernel_dim:
-            return kernel_dim
-    raise ValueError(f"head dim must be at most {KERNEL_HEAD_DIMS[-1]}, got {head_dim}")
-
-
-def check_kernel_available(available, tier: str, head_dim: int, dtype_name: str) -> None:
-    """Raise a clear error when the build lacks the forward kernel for (tier, head_dim, dtype)."""
+def check_kernel_available(available, tier: str, head_dim: int, dtype_name: str, direction: str = "fwd") -> None:
+    """Raise a clear error when the build lacks the kernel for (tier, direction, head_dim, dtype)."""
     built_tiers = sorted({t for (t, _, _, _) in available})
     if TIER_IDS[tier] not in built_tiers:
         built = ", ".join(f"sm{t}" for t in built_tiers) or "none"
@@ -112,14 +106,23 @@ def check_kernel_available(available, tier: str, head_dim: int, dtype_name: str)
             "the tiers compiled are chosen at build time by FLASH_ATTN_CUDA_ARCHS"
         )
     kernel_dim = kernel_head_dim(head_dim)
-    if (TIER_IDS[tier], "fwd", kernel_dim, dtype_name) not in available:
-        built = sorted((hd, dt) for (t, direction, hd, dt) in available if t == TIER_IDS[tier] and direction == "fwd")
+    if (TIER_IDS[tier], direction, kernel_dim, dtype_name) not in available:
+        built = sorted((hd, dt) for (t, dr, hd, dt) in available if t == TIER_IDS[tier] and dr == direction)
+        name = {"fwd": "forward", "bwd": "backward"}[direction]
         raise RuntimeError(
-            f"flash_attention: this build has no {tier} forward kernel for head dim {kernel_dim} ({dtype_name}), "
+            f"flash_attention: this build has no {tier} {name} kernel for head dim {kernel_dim} ({dtype_name}), "
             f"which serves head dim {head_dim}; built (head dim, dtype): {built}. The head dims and architectures "
             "compiled are restricted at build time by FLASH_ATTN_HEAD_DIMS and FLASH_ATTN_CUDA_ARCHS; rebuild with "
             "them unset to get every kernel"
         )
+
+
+def resolve_tier(device: torch.device, tier: Optional[str], head_dim: int, dtype: torch.dtype, direction: str) -> str:
+    """The tier that runs on `device`, checked to be built for this head dim, dtype and direction. Resolved inside the
+    ops rather than by the caller so that FLASH_ATTN_TIER is read at run time, also under torch.compile."""
+    tier_name = select_tier(torch.cuda.get_device_capability(device), requested_tier(tier))
+    check_kernel_available(available_kernels(), tier_name, head_dim, DTYPE_NAMES[dtype], direction)
+    return tier_name
 
 
 def kernel_operand(t: torch.Tensor) -> torch.Tensor:
@@ -141,34 +144,97 @@ def fwd(
     window_right: int,
     softcap: float,
     alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
     tier: Optional[str],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Forward attention on validated inputs whose head dim is a multiple of 8. Returns (out, lse)."""
+    """Forward attention on validated inputs whose head dim is a multiple of 8. Returns (out, lse). With no query, key
+    or batch, every row is fully masked: out 0, lse -inf, and no kernel runs. `deterministic` is for the backward
+    (the forward is always deterministic): autograd hands it on to `bwd`."""
+    b, sq, h, d = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or k.shape[1] == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
     ext = load_extension()
-    # Resolved here rather than by the caller so that FLASH_ATTN_TIER is read at run time, also under torch.compile.
-    tier_name = select_tier(torch.cuda.get_device_capability(q.device), requested_tier(tier))
-    check_kernel_available(available_kernels(), tier_name, q.shape[-1], DTYPE_NAMES[q.dtype])
+    tier_name = resolve_tier(q.device, tier, d, q.dtype, "fwd")
     q, k, v = kernel_operand(q), kernel_operand(k), kernel_operand(v)
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.contiguous()
-    b, sq, h, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    ext.fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes, TIER_IDS[tier_name])
+    ext.fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes, kernel_head_dim(d),
+            TIER_IDS[tier_name])
     return out, lse
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, tier):
+def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
     b, sq, h, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
+@torch.library.custom_op("flash_attention::bwd", mutates_args=())
+def bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: Optional[torch.Tensor],
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    tier: Optional[str],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of the forward's (out, lse) given dout and, when the caller used lse, dlse. With no query,
+    key or batch they are zero, and no kernel runs."""
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    ext = load_extension()
+    d = q.shape[-1]
+    tier_name = resolve_tier(q.device, tier, d, q.dtype, "bwd")
+    dout, q, k, v, out = (kernel_operand(t) for t in (dout, q, k, v, out))
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    ext.bwd(dout, q, k, v, out, lse.contiguous(), dlse, dq, dk, dv, softmax_scale, window_left, window_right, softcap,
+            alibi_slopes, deterministic, kernel_head_dim(d), TIER_IDS[tier_name])
+    return dq, dk, dv
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+              deterministic, tier):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    # An output the loss does not use then has gradient None, not zeros: an unused lse costs nothing.
+    ctx.set_materialize_grads(False)
+    ctx.args = (softmax_scale, window_left, window_right, softcap, deterministic, tier)
+
+
 def _fwd_backward(ctx, grad_out, grad_lse):
-    raise NotImplementedError(
-        "flash_attention: the backward pass is not implemented yet (forward only); run it under torch.no_grad() "
-        "or on tensors that do not require grad"
-    )
+    """Gradients for q, k, v. The lse gradient, when the caller used lse, flows into dq and dk: d lse_i / d s_ij is
+    P_ij, which the kernel folds into D."""
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    softmax_scale, window_left, window_right, softcap, deterministic, tier = ctx.args
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = bwd(grad_out, q, k, v, out, lse, grad_lse, softmax_scale, window_left, window_right, softcap,
+                     alibi_slopes, deterministic, tier)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
-fwd.register_autograd(_fwd_backward)
+fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)

@@ -30,7 +30,7 @@ def pad_head_dim(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, pad)) if pad else t
 
 
-def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, tier):
+def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, tier):
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p > 0.0:
@@ -41,12 +41,6 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     seqlen_k = k.shape[1]
     if softmax_scale is None:
         softmax_scale = d ** -0.5  # the original head dim, not the padded one
-    if b == 0 or seqlen_q == 0 or seqlen_k == 0:
-        # No key at all: every row is fully masked (out 0, lse -inf); no kernel needed.
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.full((b, h, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
-        return out, lse
-
     window_left, window_right = normalize_window(window_size, causal, seqlen_q, seqlen_k)
     out, lse = _ops.fwd(
         pad_head_dim(q),
@@ -57,6 +51,7 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
         window_right,
         float(softcap),
         alibi_slopes,
+        bool(deterministic),
         tier,
     )
     if out.shape[-1] != d:
@@ -79,7 +74,7 @@ def flash_attn_func(
     *,
     tier: Optional[str] = None,
 ):
-    """Exact attention forward.
+    """Exact attention, differentiable with respect to q, k and v.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim), fp16 or bf16 on CUDA,
     nheads % nheads_k == 0 (GQA/MQA), head_dim <= 256, last dimension contiguous.
@@ -87,13 +82,16 @@ def flash_attn_func(
     (-1 = unbounded side); causal=True sets the right bound to 0 (bottom-right aligned).
     softcap > 0 applies softcap * tanh(score / softcap); alibi_slopes (fp32, (nheads,) or (batch, nheads)) adds
     -slope * |i + seqlen_k - seqlen_q - j| to the score. A row that sees no key gets output 0 and lse -inf.
-    dropout_p must be 0 (dropout is not supported yet); deterministic is accepted for compatibility (the forward
-    pass is deterministic). tier ("sm80", ...) forces a kernel tier, as does the FLASH_ATTN_TIER environment variable.
+    dropout_p must be 0 (dropout is not supported yet). deterministic=True makes the backward bitwise reproducible
+    (dq is accumulated in a fixed order; the default adds it with atomics, faster); the forward always is.
+    tier ("sm80", ...) forces a kernel tier, as does the FLASH_ATTN_TIER environment variable.
 
     Returns out (batch, seqlen_q, nheads, head_dim), or (out, softmax_lse, None) when return_attn_probs, with
-    softmax_lse fp32 (batch, nheads, seqlen_q) in natural log.
+    softmax_lse fp32 (batch, nheads, seqlen_q) in natural log. A gradient reaching softmax_lse (when the loss uses it)
+    flows into dq and dk.
     """
-    out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, tier)
+    out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                        tier)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -113,7 +111,8 @@ def flash_attn_qkvpacked_func(
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, head_dim); q, k and v are strided views, not copies."""
     _checks.check_packed(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, head_dim)")
     q, k, v = qkv.unbind(dim=2)
-    out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, tier)
+    out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                        tier)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -134,5 +133,6 @@ def flash_attn_kvpacked_func(
     """flash_attn_func on q and kv (batch, seqlen_k, 2, nheads_k, head_dim); k and v are strided views of kv."""
     _checks.check_packed(kv, "kv", 2, "(batch, seqlen_k, 2, nheads_k, head_dim)")
     k, v = kv.unbind(dim=2)
-    out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, tier)
+    out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                        tier)
     return (out, lse, None) if return_attn_probs else out

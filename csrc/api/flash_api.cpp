@@ -1,5 +1,6 @@
-// PyTorch binding: turns validated tensors into FwdParams and calls the registered kernel. The Python layer
-// (flash_attention/_checks.py) gives the user-facing errors; the checks here only guard the kernel's preconditions.
+// PyTorch binding: turns validated tensors into FwdParams / BwdParams and calls the registered kernel. The Python layer
+// (flash_attention/_checks.py, _ops.py) gives the user-facing errors and picks the kernel head dim; the checks here
+// only guard the kernels' preconditions.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -11,19 +12,10 @@
 #include <tuple>
 #include <vector>
 
-#include "../common/fwd_params.h"
 #include "../common/kernel_registry.h"
+#include "../common/params.h"
 
 namespace {
-
-constexpr int kKernelHeadDims[] = {32, 64, 96, 128, 192, 256};
-
-int kernel_head_dim(int d) {
-    for (int hd : kKernelHeadDims) {
-        if (d <= hd) { return hd; }
-    }
-    TORCH_CHECK(false, "flash_attention: head dim ", d, " exceeds 256");
-}
 
 // FLASH_ATTN_SMEM_BUDGET (bytes) caps the shared memory a tile may use, so that the smaller tiles chosen on GPUs with
 // less shared memory (99 KB on sm86/89/120, 163 KB on the A100) can be tested on an H100/H200.
@@ -34,7 +26,10 @@ int smem_budget(int device_optin) {
 
 char const* dtype_name(flash::DType t) { return t == flash::DType::kFloat16 ? "fp16" : "bf16"; }
 
-void check_strides(at::Tensor const& t, char const* name) {
+void check_operand(at::Tensor const& t, char const* name, at::Tensor const& like) {
+    TORCH_CHECK(t.is_cuda() && t.device() == like.device(), "flash_attention: ", name, " must be on q's CUDA device");
+    TORCH_CHECK(t.scalar_type() == like.scalar_type(), "flash_attention: ", name, " must have q's dtype");
+    TORCH_CHECK(t.dim() == 4, "flash_attention: ", name, " must be 4-D");
     TORCH_CHECK(t.stride(-1) == 1, "flash_attention: ", name, " must be contiguous in the last dimension");
     for (int i = 0; i < t.dim() - 1; ++i) {
         TORCH_CHECK(t.stride(i) % 8 == 0 || t.size(i) == 1, "flash_attention: ", name,
@@ -44,48 +39,50 @@ void check_strides(at::Tensor const& t, char const* name) {
                 " must be 16-byte aligned");
 }
 
-void fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor& out, at::Tensor& lse,
-         double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
-         std::optional<at::Tensor> const& alibi_slopes, int64_t tier) {
-    TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda() && out.is_cuda() && lse.is_cuda(),
-                "flash_attention: tensors must be on a CUDA device");
+void check_lse(at::Tensor const& t, char const* name, at::Tensor const& q) {
+    TORCH_CHECK(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                "flash_attention: ", name, " must be contiguous fp32 on q's device");
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == q.size(0) && t.size(1) == q.size(2) && t.size(2) == q.size(1),
+                "flash_attention: ", name, " must be (b, h, sq)");
+}
+
+template <class Params>
+flash::Launcher<Params> find_launcher(at::Tensor const& q, int64_t kernel_head_dim, int64_t tier) {
+    flash::DType const dt = q.scalar_type() == at::kHalf ? flash::DType::kFloat16 : flash::DType::kBFloat16;
+    TORCH_CHECK(q.size(3) <= kernel_head_dim, "flash_attention: head dim ", q.size(3), " exceeds kernel head dim ",
+                kernel_head_dim);
+    auto launcher = flash::KernelRegistry<Params>::find(int(tier), int(kernel_head_dim), dt);
+    TORCH_CHECK(launcher != nullptr, "flash_attention: no sm", tier, " ", flash::Direction<Params>::kName,
+                " kernel for head dim ", kernel_head_dim, " and ", dtype_name(dt),
+                " in this build (see FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS)");
+    return launcher;
+}
+
+// The fields both directions share: q, k, v, sizes, scales, window, ALiBi, the device's shared memory.
+void set_attn_params(flash::AttnParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                     double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
+                     std::optional<at::Tensor> const& alibi_slopes) {
     auto const dtype = q.scalar_type();
     TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "flash_attention: q must be float16 or bfloat16");
-    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
-                "flash_attention: q, k, v and out must share a dtype");
-    TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "flash_attention: lse must be contiguous fp32");
-    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && out.dim() == 4, "flash_attention: expected 4-D q/k/v");
+    check_operand(q, "q", q);
+    check_operand(k, "k", q);
+    check_operand(v, "v", q);
     int const b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3);
     int const sk = k.size(1), hk = k.size(2);
     TORCH_CHECK(d % 8 == 0 && d <= 256, "flash_attention: head dim must be a multiple of 8 and at most 256");
     TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == b && k.size(3) == d, "flash_attention: k/v shape mismatch");
-    TORCH_CHECK(out.sizes() == q.sizes(), "flash_attention: out must have q's shape");
-    TORCH_CHECK(lse.size(0) == b && lse.size(1) == h && lse.size(2) == sq, "flash_attention: lse must be (b, h, sq)");
     TORCH_CHECK(hk > 0 && h % hk == 0, "flash_attention: h must be a multiple of hk");
     TORCH_CHECK(b > 0 && sq > 0 && sk > 0, "flash_attention: empty sequences are handled in Python");
-    check_strides(q, "q");
-    check_strides(k, "k");
-    check_strides(v, "v");
-    check_strides(out, "out");
 
-    flash::DType const dt = dtype == at::kHalf ? flash::DType::kFloat16 : flash::DType::kBFloat16;
-    int const hd = kernel_head_dim(d);
-    flash::FwdLauncher launcher = flash::find_fwd_kernel(int(tier), hd, dt);
-    TORCH_CHECK(launcher != nullptr, "flash_attention: no sm", tier, " forward kernel for head dim ", hd, " and ",
-                dtype_name(dt), " in this build (see FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS)");
-
-    flash::FwdParams p{};
     p.q = q.data_ptr();
     p.k = k.data_ptr();
     p.v = v.data_ptr();
-    p.o = out.data_ptr();
-    p.lse = lse.data_ptr<float>();
     p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
     p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
     p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
-    p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
     p.b = b, p.h = h, p.hk = hk, p.sq = sq, p.sk = sk, p.d = d, p.h_per_hk = h / hk;
 
+    p.softmax_scale = float(softmax_scale);
     p.has_softcap = softcap > 0.0;
     p.softcap_pre = p.has_softcap ? float(softmax_scale / softcap) : 1.f;
     p.logit_scale = p.has_softcap ? float(softcap) : float(softmax_scale);
@@ -104,11 +101,81 @@ void fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tens
         p.alibi_slopes = a.data_ptr<float>();
         p.alibi_batch_stride = a.dim() == 2 ? h : 0;
     }
-
-    c10::cuda::CUDAGuard guard(q.device());
     p.max_smem_per_block = smem_budget(int(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin));
+}
+
+template <class Params>
+void launch(flash::Launcher<Params> launcher, Params const& p) {
     cudaError_t err = launcher(p, at::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == cudaSuccess, "flash_attention: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor& out, at::Tensor& lse,
+         double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
+         std::optional<at::Tensor> const& alibi_slopes, int64_t kernel_head_dim, int64_t tier) {
+    c10::cuda::CUDAGuard guard(q.device());
+    flash::FwdParams p{};
+    set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes);
+    check_operand(out, "out", q);
+    TORCH_CHECK(out.sizes() == q.sizes(), "flash_attention: out must have q's shape");
+    check_lse(lse, "lse", q);
+    p.o = out.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
+    launch(find_launcher<flash::FwdParams>(q, kernel_head_dim, tier), p);
+}
+
+void bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+         at::Tensor const& out, at::Tensor const& lse, std::optional<at::Tensor> const& dlse, at::Tensor& dq,
+         at::Tensor& dk, at::Tensor& dv, double softmax_scale, int64_t window_left, int64_t window_right,
+         double softcap, std::optional<at::Tensor> const& alibi_slopes, bool deterministic, int64_t kernel_head_dim,
+         int64_t tier) {
+    c10::cuda::CUDAGuard guard(q.device());
+    flash::BwdParams p{};
+    set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes);
+    auto launcher = find_launcher<flash::BwdParams>(q, kernel_head_dim, tier);
+    for (auto const& [t, name] : {std::pair{&out, "out"}, {&dout, "dout"}, {&dq, "dq"}}) {
+        check_operand(*t, name, q);
+        TORCH_CHECK(t->sizes() == q.sizes(), "flash_attention: ", name, " must have q's shape");
+    }
+    for (auto const& [t, name] : {std::pair{&dk, "dk"}, {&dv, "dv"}}) {
+        check_operand(*t, name, q);
+        TORCH_CHECK(t->sizes() == k.sizes(), "flash_attention: ", name, " must have k's shape");
+    }
+    check_lse(lse, "lse", q);
+    p.o = out.data_ptr();
+    p.dout = dout.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    p.dlse = nullptr;
+    if (dlse.has_value()) {
+        check_lse(*dlse, "dlse", q);
+        p.dlse = dlse->data_ptr<float>();
+    }
+    p.dq = dq.data_ptr();
+    p.dk = dk.data_ptr();
+    p.dv = dv.data_ptr();
+    p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
+    p.do_batch_stride = dout.stride(0), p.do_row_stride = dout.stride(1), p.do_head_stride = dout.stride(2);
+    p.dq_batch_stride = dq.stride(0), p.dq_row_stride = dq.stride(1), p.dq_head_stride = dq.stride(2);
+    p.dk_batch_stride = dk.stride(0), p.dk_row_stride = dk.stride(1), p.dk_head_stride = dk.stride(2);
+    p.dv_batch_stride = dv.stride(0), p.dv_row_stride = dv.stride(1), p.dv_head_stride = dv.stride(2);
+
+    // Workspace beside flash-attn's own: the fp32 dQ accumulator (b, h, sq rounded up to 128, kernel head dim), D
+    // (b, h, sq) and, when deterministic, one int per (b, h, 16 query rows).
+    p.sq_rounded = (p.sq + flash::kBwdRowAlign - 1) / flash::kBwdRowAlign * flash::kBwdRowAlign;
+    auto const f32 = q.options().dtype(at::kFloat);
+    at::Tensor dq_accum = at::zeros({int64_t(p.b) * p.h * p.sq_rounded * kernel_head_dim}, f32);
+    at::Tensor dpsum = at::empty({p.b, p.h, p.sq}, f32);
+    at::Tensor semaphore;
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.dpsum = dpsum.data_ptr<float>();
+    p.dq_semaphore = nullptr;
+    p.deterministic = deterministic;
+    if (deterministic) {
+        semaphore = at::zeros({int64_t(p.b) * p.h * (p.sq_rounded / 16)}, q.options().dtype(at::kInt));
+        p.dq_semaphore = semaphore.data_ptr<int>();
+    }
+    launch(launcher, p);
 }
 
 std::vector<std::tuple<int64_t, std::string, int64_t, std::string>> available_kernels() {
@@ -125,6 +192,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flash-attention-cute kernels";
     m.def("fwd", &fwd, "Attention forward into preallocated out and lse", py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("window_left"), py::arg("window_right"),
-          py::arg("softcap"), py::arg("alibi_slopes"), py::arg("tier"));
+          py::arg("softcap"), py::arg("alibi_slopes"), py::arg("kernel_head_dim"), py::arg("tier"));
+    m.def("bwd", &bwd, "Attention backward into preallocated dq, dk, dv", py::arg("dout"), py::arg("q"), py::arg("k"),
+          py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+          py::arg("softmax_scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+          py::arg("alibi_slopes"), py::arg("deterministic"), py::arg("kernel_head_dim"), py::arg("tier"));
     m.def("available_kernels", &available_kernels, "(tier, direction, head_dim, dtype) of every compiled kernel");
 }

@@ -1,5 +1,4 @@
-// Maps a flat block index to (m block, head, batch). A flat grid has no 65535 limit on heads or batch, and m blocks
-// are handed out last-first: under a causal mask the last rows do the most work, so they start in the first wave.
+// Maps a flat block index to the tile a CTA owns. A flat grid has no 65535 limit on heads or batch.
 #pragma once
 
 namespace flash {
@@ -8,10 +7,25 @@ struct BlockCoord {
     int m_block, head, batch;
 };
 
+// Forward: (m block, head, batch). m blocks are handed out last-first: under a causal mask the last rows do the most
+// work, so they start in the first wave.
 __device__ __forceinline__ BlockCoord decode_block(int idx, int num_m_blocks, int num_heads) {
     int const m_rev = idx % num_m_blocks;
     int const bh = idx / num_m_blocks;
     return {num_m_blocks - 1 - m_rev, bh % num_heads, bh / num_heads};
+}
+
+struct BwdBlockCoord {
+    int n_block, head_kv, batch;
+};
+
+// Backward: (key block, kv head, batch), key blocks fastest so that the CTAs of one head share Q, dO and dQ in L2.
+// Under a causal mask the first key blocks see the most query tiles, so ascending order starts the longest first;
+// `reverse` hands them out last-first instead (the deterministic dQ order needs launch order = accumulation order).
+__device__ __forceinline__ BwdBlockCoord decode_bwd_block(int idx, int num_n_blocks, int num_heads_kv, bool reverse) {
+    int const n = idx % num_n_blocks;
+    int const bh = idx / num_n_blocks;
+    return {reverse ? num_n_blocks - 1 - n : n, bh % num_heads_kv, bh / num_heads_kv};
 }
 
 // blockIdx.x and threadIdx.x read through volatile asm. The epilogue re-derives its coordinates from these after the

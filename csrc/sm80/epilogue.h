@@ -1,16 +1,48 @@
-// SM80-tier epilogue: the normalised output goes registers -> shared memory (reusing Q's tile) -> global memory in
-// 16-byte row-contiguous chunks, predicated on the sequence end and the head dim; lse is written by one lane per row.
+// SM80-tier epilogues: an fp32 accumulator tile goes registers -> shared memory -> global memory in 16-byte
+// row-contiguous chunks, predicated on the sequence end and the head dim. The forward's output (plus lse), the
+// backward's dK and dV, and the dQ conversion all store through store_tile.
 #pragma once
 
 #include <cute/tensor.hpp>
 
-#include "../common/fwd_params.h"
+#include "../common/params.h"
 #include "mainloop.h"
 
 namespace flash::sm80 {
 
 using namespace cute;
 
+// Stores `acc`, tiled_mma's C fragment of a tile shaped like `s`, converted to Element, through the shared-memory
+// tile `s` into the global tile `g`: rows below rows_left, columns below cols.
+template <class Traits, class TiledMma, class Acc, class SmemTile, class GmemTile>
+__device__ __forceinline__ void store_tile(TiledMma const& tiled_mma, Acc const& acc, SmemTile&& s, GmemTile&& g,
+                                           int rows_left, int cols, int tid) {
+    Tensor r = convert_fragment<typename Traits::Element>(acc);
+    // `s` reuses an operand tile of the main loop (Q in the forward, K and V in the backward) that other threads may
+    // still be reading.
+    __syncthreads();
+    auto smem_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+    auto smem_thr = smem_copy.get_thread_slice(tid);
+    copy(smem_copy, smem_thr.retile_S(r), smem_thr.partition_D(s));
+    __syncthreads();
+
+    typename Traits::GmemTiledCopyO gmem_copy;
+    auto gmem_thr = gmem_copy.get_thread_slice(tid);
+    Tensor tS = gmem_thr.partition_S(s);
+    Tensor tG = gmem_thr.partition_D(g);
+    Tensor tC = gmem_thr.partition_D(make_identity_tensor(product_each(shape(s))));
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(tG); ++m) {
+        if (get<0>(tC(0, m, 0)) < rows_left) {
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(tG); ++k) {
+                if (get<1>(tC(0, m, k)) < cols) { copy(gmem_copy, tS(_, m, k), tG(_, m, k)); }
+            }
+        }
+    }
+}
+
+// The forward's normalised output and its lse (one lane per row).
 template <class Traits, class TiledMma, class AccO, int kRows>
 __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO const& acc_o, float const (&lse)[kRows],
                                              char* smem, FwdParams const& params, int m_block, int head, int batch,
@@ -18,12 +50,6 @@ __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO con
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kHeadDim = Traits::kHeadDim;
-
-    Tensor rO = convert_fragment<Element>(acc_o);
-    Tensor sO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
-    auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
-    auto smem_thr_o = smem_copy_o.get_thread_slice(tid);
-    copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
 
     int const row0 = m_block * kBlockM;
     Tensor coord_rc = rowcol_view(
@@ -36,27 +62,13 @@ __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO con
             if (row0 + row < params.sq) { lse_row[row] = lse[r]; }
         }
     }
-    __syncthreads();
 
+    Tensor sO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
     Tensor mO = make_tensor(
         make_gmem_ptr(static_cast<Element*>(params.o) + batch * params.o_batch_stride + head * params.o_head_stride),
         make_shape(params.sq, Int<kHeadDim>{}), make_stride(params.o_row_stride, _1{}));
     Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-    typename Traits::GmemTiledCopyO gmem_copy_o;
-    auto gmem_thr_o = gmem_copy_o.get_thread_slice(tid);
-    Tensor tOsO = gmem_thr_o.partition_S(sO);
-    Tensor tOgO = gmem_thr_o.partition_D(gO);
-    Tensor tOcO = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    int const rows_left = params.sq - row0;
-    CUTE_UNROLL
-    for (int m = 0; m < size<1>(tOgO); ++m) {
-        if (get<0>(tOcO(0, m, 0)) < rows_left) {
-            CUTE_UNROLL
-            for (int k = 0; k < size<2>(tOgO); ++k) {
-                if (get<1>(tOcO(0, m, k)) < params.d) { copy(gmem_copy_o, tOsO(_, m, k), tOgO(_, m, k)); }
-            }
-        }
-    }
+    store_tile<Traits>(tiled_mma, acc_o, sO, gO, params.sq - row0, params.d, tid);
 }
 
 }  // namespace flash::sm80

@@ -15,8 +15,10 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "../common/block_range.h"
 #include "../common/block_scheduler.h"
-#include "../common/fwd_params.h"
+#include "../common/mask.h"
+#include "../common/params.h"
 #include "../common/score_mod.h"
 #include "../common/softmax.h"
 #include "epilogue.h"
@@ -43,14 +45,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     BlockCoord const blk = decode_block(blockIdx.x, num_m_blocks, params.h);
     int const head_kv = blk.head / params.h_per_hk;
     int const sq = params.sq, sk = params.sk, d = params.d;
-    int const diag_offset = sk - sq;  // bottom-right alignment of causal / local windows
+    AttnWindow const window{sq, sk, params.window_left, params.window_right};
     int const row0 = blk.m_block * kBlockM;
-    int const row_last = min(sq, row0 + kBlockM) - 1;
 
-    KeyRange const keys = visible_keys(params, row0, row_last);
-    int const n_block_min = keys.lo / kBlockN;
-    int const n_blocks = keys.hi > keys.lo ? (keys.hi + kBlockN - 1) / kBlockN - n_block_min : 0;
-    int const n_block_max = n_block_min + n_blocks;
+    using Range = BlockRange<kBlockM, kBlockN>;
+    Interval const n_range = Range::n_blocks(window, blk.m_block);
+    int const n_blocks = n_range.hi - n_range.lo;
+    int const n_block_max = n_range.hi;
 
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(tid);
@@ -169,16 +170,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 if constexpr (decltype(with_score_mods)::value) {
                     if (params.has_softcap) { apply_softcap(acc_s, params.softcap_pre); }
                     if (params.alibi_slopes != nullptr) {
-                        apply_alibi(s_rc, coord_s_rc, row0, col0, diag_offset, alibi_slope);
+                        apply_alibi(s_rc, coord_s_rc, row0, col0, window.diag_offset(), alibi_slope);
                     }
                 }
-                bool const needs_mask =
-                    col0 + kBlockN > sk ||
-                    (params.window_right >= 0 && col0 + kBlockN - 1 > row0 + diag_offset + params.window_right) ||
-                    (params.window_left >= 0 && col0 < row0 + kBlockM - 1 + diag_offset - params.window_left);
-                if (needs_mask) {
-                    apply_mask(s_rc, coord_s_rc, row0, col0, sk, diag_offset, params.window_left, params.window_right);
-                }
+                if (Range::needs_mask(window, blk.m_block, n_block)) { apply_mask(s_rc, coord_s_rc, window, row0, col0); }
                 softmax.update(s_rc, acc_o_rc, params.scale_log2);
 
                 Tensor rP = convert_fragment<Element>(acc_s);

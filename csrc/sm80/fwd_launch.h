@@ -8,9 +8,10 @@
 #include <climits>
 #include <cstdint>
 
-#include "../common/fwd_params.h"
-#include "../common/score_mod.h"
+#include "../common/block_range.h"
+#include "../common/params.h"
 #include "fwd_kernel.h"
+#include "launch_util.h"
 #include "tile_traits.h"
 
 namespace flash::sm80 {
@@ -19,10 +20,7 @@ template <class Traits>
 cudaError_t launch_fwd(FwdParams const& params, cudaStream_t stream) {
     auto kernel = &fwd_kernel<Traits>;
     constexpr int kSmem = Traits::kSmemBytes;
-    if constexpr (kSmem > 48 * 1024) {
-        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-        if (err != cudaSuccess) { return err; }
-    }
+    if (cudaError_t err = allow_smem(kernel, kSmem); err != cudaSuccess) { return err; }
     int64_t const num_m_blocks = (params.sq + Traits::kBlockM - 1) / Traits::kBlockM;
     int64_t const num_blocks = num_m_blocks * params.h * params.b;
     if (num_blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
@@ -30,33 +28,16 @@ cudaError_t launch_fwd(FwdParams const& params, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// CTAs of this configuration that fit one SM's shared memory. Every GPU of the tier has 1 KB more per SM than per
-// block (the driver reserves 1 KB per resident block), so the per-block budget gives the per-SM one.
-template <class Traits>
-int ctas_per_sm(FwdParams const& params) {
-    return (params.max_smem_per_block + 1024) / (Traits::kSmemBytes + 1024);
-}
-
 // Mean number of keys that a tile of block_m query rows visits, after the causal / local window.
 inline int64_t mean_keys_per_tile(FwdParams const& params, int block_m) {
     int const num_tiles = (params.sq + block_m - 1) / block_m;
     int64_t keys = 0;
+    AttnWindow const window{params.sq, params.sk, params.window_left, params.window_right};
     for (int m = 0; m < num_tiles; ++m) {
-        KeyRange const r = visible_keys(params, m * block_m, std::min(params.sq, (m + 1) * block_m) - 1);
+        Interval const r = window.keys_of_rows(m * block_m, std::min(params.sq, (m + 1) * block_m) - 1);
         keys += r.hi - r.lo;
     }
     return num_tiles > 0 ? keys / num_tiles : 0;
-}
-
-// Launches the first configuration whose shared memory fits the device (largest tile first).
-template <class Traits, class... Fallbacks>
-cudaError_t launch_first_fitting(FwdParams const& params, cudaStream_t stream) {
-    if constexpr (sizeof...(Fallbacks) == 0) {
-        return launch_fwd<Traits>(params, stream);
-    } else {
-        if (params.max_smem_per_block >= Traits::kSmemBytes) { return launch_fwd<Traits>(params, stream); }
-        return launch_first_fitting<Fallbacks...>(params, stream);
-    }
 }
 
 // Large head dims: a 64-row tile when two of its CTAs fit one SM and the query tiles are short (mean visible keys of
@@ -67,7 +48,9 @@ cudaError_t launch_by_tile_length(FwdParams const& params, cudaStream_t stream) 
     if (ctas_per_sm<Small>(params) >= 2 && mean_keys_per_tile(params, 128) <= 2048) {
         return launch_fwd<Small>(params, stream);
     }
-    return launch_first_fitting<Larger..., Small>(params, stream);
+    return launch_first_fitting<Larger..., Small>(params, [&](auto traits) {
+        return launch_fwd<decltype(traits)>(params, stream);
+    });
 }
 
 // Tile shapes (kBlockM, kBlockN, warps, K/V stages; 1 stage = the split K/V schedule), measured on an H200
@@ -88,7 +71,7 @@ cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
         return launch_by_tile_length<FwdTraits<192, 64, 64, 4, 1, Element>, FwdTraits<192, 128, 64, 8, 1, Element>>(
             params, stream);
     } else {
-        static_assert(kHeadDim == 256, "kernel head dims are 32, 64, 96, 128, 192, 256");
+        static_assert(kHeadDim == 256, "no forward tile for this head dim");
         // 192 KB (H100/H200), 128 KB (A100), 96 KB (sm86/89/120, and the short tiles of the H100/H200).
         return launch_by_tile_length<FwdTraits<256, 64, 64, 4, 1, Element>, FwdTraits<256, 128, 64, 8, 2, Element>,
                                      FwdTraits<256, 128, 64, 8, 1, Element>>(params, stream);

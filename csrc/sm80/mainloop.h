@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
 
 namespace flash::sm80 {
 
@@ -85,6 +86,18 @@ __device__ __forceinline__ auto make_xor_operand(ThrCopy const& thr_copy, SmemTe
     int const t = int(raw_pointer_cast(unswizzled.data()) - ptr);
     return XorSmemOperand<Element, std::decay_t<decltype(layout.layout_a())>, decltype(unswizzled.layout())>{
         ptr, layout.layout_a()(t)};
+}
+
+// A plain CuTe partition (CPY, rows, k) of an smem operand, called as gemm_ss and gemm_rs call operands: s(i, k).
+template <class Partition>
+struct SmemOperand {
+    Partition part;
+    __device__ __forceinline__ auto operator()(int i, int k) const { return part(_, i, k); }
+};
+
+template <class Partition>
+__device__ __forceinline__ auto smem_operand(Partition const& part) {
+    return SmemOperand<Partition>{part};
 }
 
 // Copies k-slice k of an smem operand into its register view (rank 3: copy mode, rows, k).

@@ -1,56 +1,57 @@
-// Tile shapes, shared-memory layouts, MMA and copy atoms of the SM80-tier forward kernel.
+// Tile shapes, shared-memory layouts, MMA and copy atoms of the SM80-tier kernels: what both directions share
+// (TileBase), then each direction's tile.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "../common/params.h"
+
 namespace flash::sm80 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, typename Element_>
-struct FwdTraits {
+// The (cols, rows[, stage]) view of a (rows, cols[, stage]) shared-memory layout: the operand that a transposing
+// ldmatrix reads, over the same bytes.
+template <class Layout_>
+constexpr auto transposed_view(Layout_ const& l) {
+    constexpr int kRows = size<0>(Layout_{}), kCols = size<1>(Layout_{});
+    if constexpr (rank_v<Layout_> == 2) {
+        return composition(l, make_layout(Shape<Int<kCols>, Int<kRows>>{}, Stride<Int<kRows>, _1>{}));
+    } else {
+        constexpr int kStages = size<2>(Layout_{});
+        return composition(l, make_layout(Shape<Int<kCols>, Int<kRows>, Int<kStages>>{},
+                                          Stride<Int<kRows>, _1, Int<kRows * kCols>>{}));
+    }
+}
+
+template <int kHeadDim_, int kNWarps_, typename Element_>
+struct TileBase {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = kBlockM_;
-    static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kNThreads = kNWarps * 32;
-    // K/V ring depth: block n + kStages - 1 is loading while block n is consumed. 1: single K and V buffers whose
-    // loads alternate with the two GEMMs (see fwd_kernel.h).
-    static constexpr int kStages = kStages_;
-    static_assert(kStages >= 1);
-    static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA tiles");
-    static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0);
+    static_assert(kHeadDim % 32 == 0);
 
-    // m16n8k16 with fp32 accumulation; warps tile M, each owning kBlockM / kNWarps rows, so the softmax of a row stays
-    // inside one warp (a quad of lanes).
+    // m16n8k16 with fp32 accumulation.
     using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
                                      SM80_16x8x16_F32BF16BF16F32_TN>;
-    using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
+    // kWarpsM x kWarpsN warps, each owning 16 x 16 blocks of the output, so that a B operand is one ldmatrix.x4.
+    template <int kWarpsM>
+    using TiledMmaWarps = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kWarpsM>, Int<kNWarps / kWarpsM>, _1>>,
+                                   Tile<Int<16 * kWarpsM>, Int<16 * (kNWarps / kWarpsM)>, _16>>;
 
     // Rows of 64 elements (128 B) swizzled so that both the 16-byte cp.async writes and the ldmatrix reads (normal and
     // transposed) hit distinct banks.
+    template <int kCols>
+    using SmemLayoutAtomFor = decltype(composition(
+        Swizzle<kCols % 64 == 0 ? 3 : 2, 3, 3>{},
+        Layout<Shape<_8, Int<kCols % 64 == 0 ? 64 : 32>>, Stride<Int<kCols % 64 == 0 ? 64 : 32>, _1>>{}));
+    using SmemLayoutAtom = SmemLayoutAtomFor<kHeadDim>;
     static constexpr int kSmemRowElems = kHeadDim % 64 == 0 ? 64 : 32;
-    static constexpr int kSwizzleBits = kSmemRowElems == 64 ? 3 : 2;
-    using SmemLayoutAtom = decltype(composition(
-        Swizzle<kSwizzleBits, 3, 3>{},
-        Layout<Shape<_8, Int<kSmemRowElems>>, Stride<Int<kSmemRowElems>, _1>>{}));
-    using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-    // V seen as (d, n, stage): the B operand of O = P V, read with transposing ldmatrix.
-    using SmemLayoutVt = decltype(composition(
-        SmemLayoutKV{},
-        make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
-                    make_stride(Int<kBlockN>{}, _1{}, Int<kBlockN * kHeadDim>{}))));
 
-    static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
-    static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
-    // Q, then K stages, then V stages; the output tile reuses Q's space.
-    static constexpr int kSmemBytes = (kSmemQElems + 2 * kSmemKVElems) * int(sizeof(Element));
-
-    // gmem -> smem: 16 bytes per thread per copy (zero-filling cp.async, see load_tile), a row of kSmemRowElems covered
-    // by consecutive threads.
+    // gmem <-> smem: 16 bytes per thread per copy (zero-filling cp.async on loads, see load_tile), a row of
+    // kSmemRowElems covered by consecutive threads.
     static constexpr int kThreadsPerRow = kSmemRowElems / 8;
     static_assert(kNThreads % kThreadsPerRow == 0);
     using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
@@ -63,8 +64,86 @@ struct FwdTraits {
 
     using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
     using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
-    // Accumulator fragments hold pairs of adjacent columns: 32-bit stores into the output tile.
+    // Accumulator fragments hold pairs of adjacent columns: 32-bit stores into shared memory.
     using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<2 * sizeof_bits_v<Element>>, Element>;
+};
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, typename Element_>
+struct FwdTraits : TileBase<kHeadDim_, kNWarps_, Element_> {
+    using Base = TileBase<kHeadDim_, kNWarps_, Element_>;
+    using Element = Element_;
+    using typename Base::SmemLayoutAtom;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNThreads = Base::kNThreads;
+    // K/V ring depth: block n + kStages - 1 is loading while block n is consumed. 1: single K and V buffers whose
+    // loads alternate with the two GEMMs (see fwd_kernel.h).
+    static constexpr int kStages = kStages_;
+    static_assert(kStages >= 1);
+    static_assert(kBlockM % (16 * kNWarps_) == 0, "each warp owns whole 16-row MMA tiles");
+    static_assert(kBlockN % 32 == 0);
+
+    // Warps tile M, each owning kBlockM / kNWarps rows, so the softmax of a row stays inside one warp (a quad of
+    // lanes).
+    using TiledMma = TiledMMA<MMA_Atom<typename Base::MmaOp>, Layout<Shape<Int<kNWarps_>, _1, _1>>,
+                              Tile<Int<16 * kNWarps_>, _16, _16>>;
+
+    using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+    // V seen as (d, n, stage): the B operand of O = P V, read with transposing ldmatrix.
+    using SmemLayoutVt = decltype(transposed_view(SmemLayoutKV{}));
+
+    static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
+    static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
+    // Q, then K stages, then V stages; the output tile reuses Q's space.
+    static constexpr int kSmemBytes = (kSmemQElems + 2 * kSmemKVElems) * int(sizeof(Element));
+};
+
+// Backward tile: one CTA owns kBlockN keys and walks kBlockM-row query tiles. Five GEMMs per query tile, each with
+// its own warp layout (warps along the first mode): S = Q K^T and dP = dO V^T (M x N, kWarpsMSdP), dV += P^T dO and
+// dK += dS^T Q (N x d, kWarpsNdKV), dQ = dS K (M x d, kWarpsMdQ). kQStages = 2 double-buffers Q, so the next tile's
+// Q loads while dK reads this one.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMSdP, int kWarpsNdKV, int kWarpsMdQ,
+          int kQStages_, typename Element_>
+struct BwdTraits : TileBase<kHeadDim_, kNWarps_, Element_> {
+    using Base = TileBase<kHeadDim_, kNWarps_, Element_>;
+    using Element = Element_;
+    using typename Base::SmemLayoutAtom;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNThreads = Base::kNThreads;
+    static constexpr int kQStages = kQStages_;
+    static_assert(kQStages == 1 || kQStages == 2);
+
+    using TiledMmaSdP = typename Base::template TiledMmaWarps<kWarpsMSdP>;
+    using TiledMmadKV = typename Base::template TiledMmaWarps<kWarpsNdKV>;
+    using TiledMmadQ = typename Base::template TiledMmaWarps<kWarpsMdQ>;
+    static_assert(kBlockM % (16 * kWarpsMSdP) == 0 && kBlockN % (16 * (kNWarps_ / kWarpsMSdP)) == 0);
+    static_assert(kBlockN % (16 * kWarpsNdKV) == 0 && kHeadDim % (16 * (kNWarps_ / kWarpsNdKV)) == 0);
+    static_assert(kBlockM % (16 * kWarpsMdQ) == 0 && kHeadDim % (16 * (kNWarps_ / kWarpsMdQ)) == 0);
+    static_assert(kBwdRowAlign % kBlockM == 0, "dQ workspace rows are padded to kBwdRowAlign");
+
+    using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
+    using SmemLayoutdO = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    using SmemLayoutPdS =
+        decltype(tile_to_shape(typename Base::template SmemLayoutAtomFor<kBlockN>{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    // Transposed views over the same bytes: Q^T and dO^T (d, M) are the B operands of dK and dV, K^T (d, N) that of
+    // dQ, P^T and dS^T (N, M) the A operands of dV and dK.
+    using SmemLayoutQt = decltype(transposed_view(SmemLayoutQ{}));
+    using SmemLayoutdOt = decltype(transposed_view(SmemLayoutdO{}));
+    using SmemLayoutKt = decltype(transposed_view(SmemLayoutKV{}));
+    using SmemLayoutPdSt = decltype(transposed_view(SmemLayoutPdS{}));
+
+    static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
+    static constexpr int kSmemdOElems = cosize_v<SmemLayoutdO>;
+    static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
+    static constexpr int kSmemPdSElems = cosize_v<SmemLayoutPdS>;
+    // Q stages, dO, K, V, P, dS; the dK / dV epilogue reuses K's and V's space.
+    static constexpr int kSmemBytes =
+        (kSmemQElems + kSmemdOElems + 2 * kSmemKVElems + 2 * kSmemPdSElems) * int(sizeof(Element));
 };
 
 }  // namespace flash::sm80

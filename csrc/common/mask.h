@@ -1,0 +1,31 @@
+// Applies an AttnWindow to a register tile of scores seen as (row, col), with a matching view of each element's
+// (row, col) coordinate in the tile. Both directions hold scores as (query, key) tiles, so one mask serves both.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <climits>
+#include <cmath>
+
+#include "block_range.h"
+
+namespace flash {
+
+// Sets to -inf every score whose key is past sk or outside its row's window.
+template <class TensorS, class TensorC>
+__device__ __forceinline__ void apply_mask(TensorS& s, TensorC const& coord, AttnWindow const& w, int row0,
+                                           int col0) {
+    CUTE_UNROLL
+    for (int r = 0; r < cute::size<0>(s); ++r) {
+        int const diag = row0 + cute::get<0>(coord(r, 0)) + w.diag_offset();
+        int const lo = w.left >= 0 ? diag - w.left : INT_MIN;
+        int const hi = w.right >= 0 ? min(diag + w.right, w.sk - 1) : w.sk - 1;
+        CUTE_UNROLL
+        for (int c = 0; c < cute::size<1>(s); ++c) {
+            int const col = col0 + cute::get<1>(coord(r, c));
+            if (col < lo || col > hi) { s(r, c) = -INFINITY; }
+        }
+    }
+}
+
+}  // namespace flash

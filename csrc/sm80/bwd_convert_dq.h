@@ -1,0 +1,41 @@
+// Backward postprocess: the fp32 dQ workspace, scaled by the softmax scale, to dQ in the input dtype. One CTA per
+// (query tile, head, batch) reads the tile in the main kernel's fragment order, so it takes the same tile traits.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "../common/params.h"
+#include "epilogue.h"
+
+namespace flash::sm80 {
+
+using namespace cute;
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(__grid_constant__ BwdParams const params) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    extern __shared__ __align__(128) char smem[];
+    int const tid = threadIdx.x;
+    int const num_m_blocks = (params.sq + kBlockM - 1) / kBlockM;
+    int const m_block = blockIdx.x % num_m_blocks;
+    int const bh = blockIdx.x / num_m_blocks;
+    int const head = bh % params.h, batch = bh / params.h;
+
+    typename Traits::TiledMmadQ mma_dq;
+    Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    float const* tile = params.dq_accum +
+                        ((int64_t(batch) * params.h + head) * params.sq_rounded + m_block * kBlockM) * kHeadDim + tid;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) { acc(i) = tile[i * Traits::kNThreads] * params.softmax_scale; }
+
+    Tensor sdQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutdO{});
+    Tensor mdQ = make_tensor(make_gmem_ptr(static_cast<Element*>(params.dq) + batch * params.dq_batch_stride +
+                                           head * params.dq_head_stride),
+                             make_shape(params.sq, Int<kHeadDim>{}), make_stride(params.dq_row_stride, _1{}));
+    Tensor gdQ = local_tile(mdQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+    store_tile<Traits>(mma_dq, acc, sdQ, gdQ, params.sq - m_block * kBlockM, params.d, tid);
+}
+
+}  // namespace flash::sm80

@@ -1,0 +1,321 @@
+// SM80-tier backward main kernel (FlashAttention-2's design): one CTA owns kBlockN keys of one kv head, keeps K and V
+// in shared memory and dK, dV in fp32 registers, and walks the query tiles that see its keys, for every query head of
+// its GQA group (so dK and dV are reduced over the group in registers, with no expanded copy and no atomics). Per
+// query tile:
+//   wait Q, dO -> barrier -> issue the next Q (other stage) -> S = Q K^T, dP = dO V^T -> P = exp2(S - lse),
+//   dS = P (dP - D) -> P, dS to smem -> barrier -> dV += P^T dO -> barrier -> issue the next dO ->
+//   dQ = dS K, added into the fp32 dQ workspace -> dK += dS^T Q.
+// The softmax scale is applied once, to dK here and to dQ in the conversion kernel.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cmath>
+
+#include "../common/block_range.h"
+#include "../common/block_scheduler.h"
+#include "../common/mask.h"
+#include "../common/params.h"
+#include "../common/score_mod.h"
+#include "epilogue.h"
+#include "mainloop.h"
+
+namespace flash::sm80 {
+
+using namespace cute;
+
+__device__ __forceinline__ int load_acquire(int const* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Deterministic dQ: the CTAs that add into one query tile's dQ do so one at a time, in launch order (ascending key
+// blocks, or descending when decode_bwd_block reverses them), counted by a semaphore per (batch, head, query tile).
+// A CTA only waits for CTAs launched before it, so the wait cannot deadlock.
+struct DqOrder {
+    int* semaphore;
+    int rank;
+
+    __device__ __forceinline__ void acquire(int tid) const {
+        if (tid == 0) {
+            while (load_acquire(semaphore) != rank) {}
+        }
+        __syncthreads();
+    }
+
+    // Every thread's adds are made visible before the count moves on.
+    __device__ __forceinline__ void release(int tid) const {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) { atomicAdd(semaphore, 1); }
+    }
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdParams const params) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kQStages = Traits::kQStages;
+    constexpr int kNThreads = Traits::kNThreads;
+    using Range = BlockRange<kBlockM, kBlockN>;
+
+    extern __shared__ __align__(128) char smem[];
+    int const tid = threadIdx.x;
+    int const sq = params.sq, sk = params.sk, d = params.d;
+    AttnWindow const window{sq, sk, params.window_left, params.window_right};
+    bool const reverse = params.deterministic && params.window_right >= 0;
+    BwdBlockCoord const blk = decode_bwd_block(blockIdx.x, (sk + kBlockN - 1) / kBlockN, params.hk, reverse);
+    int const n_block = blk.n_block, batch = blk.batch;
+
+    Interval const m_range = Range::m_blocks(window, n_block);
+    int const m_count = m_range.hi - m_range.lo;
+    int const iters = m_count * params.h_per_hk;  // (query head of the group, query tile) pairs, tiles fastest
+
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(sQ.data() + Int<Traits::kSmemQElems>{}, typename Traits::SmemLayoutdO{});
+    Tensor sK = make_tensor(sdO.data() + Int<Traits::kSmemdOElems>{}, typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(sK.data() + Int<Traits::kSmemKVElems>{}, typename Traits::SmemLayoutKV{});
+    Tensor sP = make_tensor(sV.data() + Int<Traits::kSmemKVElems>{}, typename Traits::SmemLayoutPdS{});
+    Tensor sdS = make_tensor(sP.data() + Int<Traits::kSmemPdSElems>{}, typename Traits::SmemLayoutPdS{});
+    Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutdOt{});
+    Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+    Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
+    Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
+
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);
+    auto thr_dkv = mma_dkv.get_thread_slice(tid);
+    auto thr_dq = mma_dq.get_thread_slice(tid);
+
+    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    clear(acc_dk);
+    clear(acc_dv);
+
+    if (iters > 0) {
+        int const head_kv = blk.head_kv;
+        auto gmem_rows = [&](void const* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride, int head,
+                             int rows) {
+            return make_tensor(make_gmem_ptr(static_cast<Element const*>(base) + batch * batch_stride +
+                                             head * head_stride),
+                               make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+        };
+        Tensor gK = local_tile(gmem_rows(params.k, params.k_batch_stride, params.k_head_stride, params.k_row_stride,
+                                         head_kv, sk),
+                               Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+        Tensor gV = local_tile(gmem_rows(params.v, params.v_batch_stride, params.v_head_stride, params.v_row_stride,
+                                         head_kv, sk),
+                               Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+
+        typename Traits::GmemTiledCopyQKV gmem_copy;
+        auto gmem_thr = gmem_copy.get_thread_slice(tid);
+        Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+        Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+        load_tile<true>(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKVcKV, sk - n_block * kBlockN,
+                        d);
+        load_tile<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, sk - n_block * kBlockN,
+                        d);
+
+        auto head_of = [&](int it) { return head_kv * params.h_per_hk + it / m_count; };
+        auto m_block_of = [&](int it) { return m_range.lo + it % m_count; };
+        // Rows of Q or dO of iteration `it` into a shared tile; rows past sq are zero-filled.
+        auto load_rows = [&](void const* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride, int it,
+                             auto&& s) {
+            int const m_block = m_block_of(it);
+            Tensor g = local_tile(gmem_rows(base, batch_stride, head_stride, row_stride, head_of(it), sq),
+                                  Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+            load_tile<true>(gmem_copy, gmem_thr.partition_S(g), gmem_thr.partition_D(s), tQcQ, sq - m_block * kBlockM,
+                            d);
+        };
+        auto load_q = [&](int it) {
+            load_rows(params.q, params.q_batch_stride, params.q_head_stride, params.q_row_stride, it,
+                      sQ(_, _, it % kQStages));
+        };
+        auto load_do = [&](int it) {
+            load_rows(params.dout, params.do_batch_stride, params.do_head_stride, params.do_row_stride, it, sdO);
+        };
+        load_q(0);
+        load_do(0);
+        cp_async_fence();
+
+        // shared -> register copies, one per operand role
+        auto copy_a_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+        auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+        auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+        auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+        auto copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+        auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
+        Tensor tSsQ = copy_a_sdp.get_thread_slice(tid).partition_S(sQ);  // (CPY, M, K, stage)
+        auto const tSsK = smem_operand(copy_b_sdp.get_thread_slice(tid).partition_S(sK));
+        auto const tdPsdO = smem_operand(copy_a_sdp.get_thread_slice(tid).partition_S(sdO));
+        auto const tdPsV = smem_operand(copy_b_sdp.get_thread_slice(tid).partition_S(sV));
+        auto const tdVsPt = smem_operand(copy_a_dkv.get_thread_slice(tid).partition_S(sPt));
+        auto const tdVsdOt = smem_operand(copy_b_dkv.get_thread_slice(tid).partition_S(sdOt));
+        auto const tdKsdSt = smem_operand(copy_a_dkv.get_thread_slice(tid).partition_S(sdSt));
+        Tensor tdKsQt = copy_b_dkv.get_thread_slice(tid).partition_S(sQt);  // (CPY, D, M, stage)
+        auto const tdQsdS = smem_operand(copy_a_dq.get_thread_slice(tid).partition_S(sdS));
+        auto const tdQsKt = smem_operand(copy_b_dq.get_thread_slice(tid).partition_S(sKt));
+
+        Tensor tSrQ = thr_sdp.partition_fragment_A(sQ(_, _, 0));
+        Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+        Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+        Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+        Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
+        Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
+        Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+        Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt(_, _, 0));
+        Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+        Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+
+        // register -> shared copies of P and dS
+        auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, mma_sdp);
+        auto thr_pds = copy_pds.get_thread_slice(tid);
+        Tensor tPsP = thr_pds.partition_D(sP);
+        Tensor tdSsdS = thr_pds.partition_D(sdS);
+
+        Tensor coord_s_rc = rowcol_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+        constexpr int kRows = decltype(size<0>(coord_s_rc))::value;
+        int const col0 = n_block * kBlockN;
+
+        // The loop exists twice, with and without softcap / ALiBi, so that the common case pays nothing for them.
+        auto mainloop = [&](auto with_score_mods) {
+            for (int it = 0; it < iters; ++it) {
+                int const head = head_of(it);
+                int const m_block = m_block_of(it);
+                int const row0 = m_block * kBlockM;
+                int const stage = it % kQStages;
+
+                // Q(it) and dO(it) landed, and every warp is done with iteration it - 1: P, dS and the other Q stage
+                // are free.
+                cp_async_wait<0>();
+                __syncthreads();
+                if constexpr (kQStages == 2) {
+                    if (it + 1 < iters) { load_q(it + 1); }
+                    cp_async_fence();
+                }
+
+                // lse in log2 units and D of this thread's rows. Rows past sq and rows that see no key (lse -inf) get
+                // lse +inf, so P = 0 there.
+                int64_t const row_base = (int64_t(batch) * params.h + head) * sq + row0;
+                float lse2[kRows], dpsum[kRows];
+                CUTE_UNROLL
+                for (int r = 0; r < kRows; ++r) {
+                    int const row = get<0>(coord_s_rc(r, 0));
+                    bool const in = row0 + row < sq;
+                    float const lse = in ? params.lse[row_base + row] : INFINITY;
+                    lse2[r] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+                    dpsum[r] = in ? params.dpsum[row_base + row] : 0.f;
+                }
+
+                Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+                Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+                clear(acc_s);
+                clear(acc_dp);
+                gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, smem_operand(tSsQ(_, _, _, stage)), tSsK, copy_a_sdp, copy_b_sdp,
+                        tid);
+                gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, copy_b_sdp, tid);
+
+                auto s_rc = rowcol_view(acc_s);
+                auto dp_rc = rowcol_view(acc_dp);
+                CUTE_UNROLL
+                for (int r = 0; r < kRows; ++r) {
+                    CUTE_UNROLL
+                    for (int c = 0; c < size<1>(dp_rc); ++c) { dp_rc(r, c) -= dpsum[r]; }
+                }
+                if constexpr (decltype(with_score_mods)::value) {
+                    if (params.has_softcap) {
+                        // dS is taken w.r.t. q.k: times the tanh derivative, taken before any mask makes S -inf.
+                        apply_softcap(acc_s, params.softcap_pre);
+                        CUTE_UNROLL
+                        for (int i = 0; i < size(acc_s); ++i) { acc_dp(i) *= 1.f - acc_s(i) * acc_s(i); }
+                    }
+                    if (params.alibi_slopes != nullptr) {
+                        float const slope =
+                            params.alibi_slopes[batch * params.alibi_batch_stride + head] / params.logit_scale;
+                        apply_alibi(s_rc, coord_s_rc, row0, col0, window.diag_offset(), slope);
+                    }
+                }
+                // Keys past sk must be masked too: their zero-filled scores would give P = exp2(-lse) > 0.
+                if (Range::needs_mask(window, m_block, n_block)) { apply_mask(s_rc, coord_s_rc, window, row0, col0); }
+                CUTE_UNROLL
+                for (int r = 0; r < kRows; ++r) {
+                    CUTE_UNROLL
+                    for (int c = 0; c < size<1>(s_rc); ++c) {
+                        float const p = exp2f(s_rc(r, c) * params.scale_log2 - lse2[r]);
+                        s_rc(r, c) = p;
+                        dp_rc(r, c) *= p;
+                    }
+                }
+                copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
+                copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_dp)), tdSsdS);
+                __syncthreads();
+
+                gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_a_dkv, copy_b_dkv, tid);
+                // Every warp is done with dO: the next tile's dO loads under dQ and dK.
+                __syncthreads();
+                if (it + 1 < iters) { load_do(it + 1); }
+                cp_async_fence();
+
+                Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+                clear(acc_dq);
+                gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, copy_b_dq, tid);
+                // The workspace holds each query tile as a run of kBlockM * kHeadDim floats in fragment order, so the
+                // 32 lanes of a warp add into 128 contiguous bytes.
+                float* dq_tile = params.dq_accum +
+                                 ((int64_t(batch) * params.h + head) * params.sq_rounded + row0) * kHeadDim + tid;
+                if (params.deterministic) {
+                    Interval const n_range = Range::n_blocks(window, m_block);
+                    DqOrder const order{params.dq_semaphore +
+                                            (int64_t(batch) * params.h + head) * (params.sq_rounded / kBlockM) +
+                                            m_block,
+                                        reverse ? n_range.hi - 1 - n_block : n_block - n_range.lo};
+                    order.acquire(tid);
+                    CUTE_UNROLL
+                    for (int i = 0; i < size(acc_dq); ++i) { atomicAdd(dq_tile + i * kNThreads, acc_dq(i)); }
+                    order.release(tid);
+                } else {
+                    CUTE_UNROLL
+                    for (int i = 0; i < size(acc_dq); ++i) { atomicAdd(dq_tile + i * kNThreads, acc_dq(i)); }
+                }
+
+                gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, smem_operand(tdKsQt(_, _, _, stage)), copy_a_dkv,
+                        copy_b_dkv, tid);
+                if constexpr (kQStages == 1) {
+                    // Every warp is done with Q.
+                    __syncthreads();
+                    if (it + 1 < iters) { load_q(it + 1); }
+                    cp_async_fence();
+                }
+            }
+        };
+        if (params.has_softcap || params.alibi_slopes != nullptr) {
+            mainloop(cute::true_type{});
+        } else {
+            mainloop(cute::false_type{});
+        }
+    }
+
+    // A key block that no query sees stores zeros.
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
+    auto gmem_out = [&](void* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride) {
+        Tensor m = make_tensor(make_gmem_ptr(static_cast<Element*>(base) + batch * batch_stride +
+                                             blk.head_kv * head_stride),
+                               make_shape(sk, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+        return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+    };
+    store_tile<Traits>(mma_dkv, acc_dk, sK, gmem_out(params.dk, params.dk_batch_stride, params.dk_head_stride,
+                                                     params.dk_row_stride),
+                       sk - n_block * kBlockN, d, tid);
+    store_tile<Traits>(mma_dkv, acc_dv, sV, gmem_out(params.dv, params.dv_batch_stride, params.dv_head_stride,
+                                                     params.dv_row_stride),
+                       sk - n_block * kBlockN, d, tid);
+}
+
+}  // namespace flash::sm80

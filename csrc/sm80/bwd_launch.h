@@ -1,0 +1,84 @@
+// SM80-tier backward launch: the tile table per head dim (by shared memory) and the three kernels in order:
+// D = rowsum(dO * O) - dlse, the main kernel (dK, dV, and dQ into the fp32 workspace), the dQ conversion.
+// The caller zeroes the dQ workspace (and the semaphores when deterministic).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "../common/params.h"
+#include "bwd_convert_dq.h"
+#include "bwd_kernel.h"
+#include "bwd_preprocess.h"
+#include "launch_util.h"
+#include "tile_traits.h"
+
+namespace flash::sm80 {
+
+template <class Traits>
+cudaError_t launch_bwd(BwdParams const& params, cudaStream_t stream) {
+    using Element = typename Traits::Element;
+    int64_t const rows = int64_t(params.b) * params.sq * params.h;
+    int64_t const num_n_blocks = (params.sk + Traits::kBlockN - 1) / Traits::kBlockN;
+    int64_t const num_m_blocks = (params.sq + Traits::kBlockM - 1) / Traits::kBlockM;
+    int64_t const pre_blocks = (rows + kPreprocessWarps - 1) / kPreprocessWarps;
+    int64_t const main_blocks = num_n_blocks * params.hk * params.b;
+    int64_t const convert_blocks = num_m_blocks * params.h * params.b;
+    if (pre_blocks > INT_MAX || main_blocks > INT_MAX || convert_blocks > INT_MAX) {
+        return cudaErrorInvalidConfiguration;
+    }
+
+    bwd_preprocess_kernel<Element><<<unsigned(pre_blocks), kPreprocessWarps * 32, 0, stream>>>(params);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
+
+    auto main_kernel = &bwd_kernel<Traits>;
+    if (cudaError_t err = allow_smem(main_kernel, Traits::kSmemBytes); err != cudaSuccess) { return err; }
+    main_kernel<<<unsigned(main_blocks), Traits::kNThreads, Traits::kSmemBytes, stream>>>(params);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
+
+    auto convert_kernel = &bwd_convert_dq_kernel<Traits>;
+    constexpr int kConvertSmem = Traits::kSmemdOElems * int(sizeof(Element));
+    if (cudaError_t err = allow_smem(convert_kernel, kConvertSmem); err != cudaSuccess) { return err; }
+    convert_kernel<<<unsigned(convert_blocks), Traits::kNThreads, kConvertSmem, stream>>>(params);
+    return cudaGetLastError();
+}
+
+// Tiles (kBlockM, kBlockN, warps, warps along the first mode of S/dP, dK/dV and dQ, Q stages), largest first; the
+// first that fits the device's shared memory runs. Registers bind first: dK and dV stay in fp32 registers for the
+// whole kernel, so wide key blocks go with short query tiles. The first tile fits the H100/H200 (227 KB), the last
+// sm86/89/120 (99 KB); the A100 (163 KB) takes the first for d <= 192.
+template <int kHeadDim, typename Element>
+cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
+    auto launch = [&](auto traits) { return launch_bwd<decltype(traits)>(params, stream); };
+    if constexpr (kHeadDim == 32) {
+        // 104 KB, 96 KB
+        return launch_first_fitting<BwdTraits<32, 128, 128, 8, 4, 4, 4, 2, Element>,
+                                    BwdTraits<32, 128, 128, 8, 4, 4, 4, 1, Element>>(params, launch);
+    } else if constexpr (kHeadDim == 64) {
+        // 144 KB, 80 KB
+        return launch_first_fitting<BwdTraits<64, 128, 128, 8, 4, 4, 4, 2, Element>,
+                                    BwdTraits<64, 64, 128, 8, 2, 4, 4, 1, Element>>(params, launch);
+    } else if constexpr (kHeadDim == 96) {
+        // 116 KB, 76 KB
+        return launch_first_fitting<BwdTraits<96, 64, 128, 8, 2, 4, 4, 2, Element>,
+                                    BwdTraits<96, 64, 64, 8, 2, 4, 4, 2, Element>>(params, launch);
+    } else if constexpr (kHeadDim == 128) {
+        // 144 KB, 96 KB
+        return launch_first_fitting<BwdTraits<128, 64, 128, 8, 2, 4, 2, 2, Element>,
+                                    BwdTraits<128, 64, 64, 8, 4, 2, 2, 2, Element>>(params, launch);
+    } else if constexpr (kHeadDim == 192) {
+        // 136 KB, 80 KB
+        return launch_first_fitting<BwdTraits<192, 64, 64, 8, 4, 2, 2, 2, Element>,
+                                    BwdTraits<192, 64, 32, 8, 4, 2, 2, 1, Element>>(params, launch);
+    } else {
+        static_assert(kHeadDim == 256, "no backward tile for this head dim");
+        // 176 KB, 144 KB, 84 KB
+        return launch_first_fitting<BwdTraits<256, 64, 64, 8, 4, 2, 2, 2, Element>,
+                                    BwdTraits<256, 64, 64, 8, 4, 2, 2, 1, Element>,
+                                    BwdTraits<256, 32, 32, 4, 2, 2, 2, 2, Element>>(params, launch);
+    }
+}
+
+}  // namespace flash::sm80
