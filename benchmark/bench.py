@@ -1,14 +1,19 @@
-"""Forward attention throughput of flash_attention beside the peers importable on this machine.
+"""Attention throughput of flash_attention beside the peers importable on this machine: forward, backward, or
+forward + backward (--mode fwd, bwd, fwdbwd).
 
-TFLOPS from 4 * b * h * sq * sk * d FLOPs (halved when causal), timed with CUDA events: per shape, rounds of warm-up
-and timed runs with the providers in random order, then the median of all timed runs. Peers: PyTorch SDPA under its
-FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, flash-attn 2 (`flash_attn`)
-and FlashAttention-4 (`flash_attn.cute`) when installed.
-A peer that is missing or fails on a shape shows as n/a.
+TFLOPS from 4 * b * h * sq * sk * d FLOPs for the forward (halved when causal), 2.5x that for the backward and 3.5x
+for forward + backward, timed with CUDA events: per shape, rounds of warm-up and timed runs with the providers in
+random order, then the median of all timed runs. The backward is torch.autograd.grad of a kept forward output with
+a fixed random dout; forward + backward runs a fresh forward before each such call. Besides `ours`, the backward
+modes time `ours_det` (deterministic=True). Peers: PyTorch SDPA under its FLASH_ATTENTION (FlashAttention-2),
+CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, flash-attn 2 (`flash_attn`) and FlashAttention-4
+(`flash_attn.cute`) when installed. A peer that is missing or fails on a shape shows as n/a.
 
     python benchmark/bench.py                         # 16k tokens, model dim 2048, head dims 64/128/256
     python benchmark/bench.py --tier sm80 --json out.json --png out.png
     python benchmark/bench.py --shape 1,4096,4096,32,8,128 --causal yes
+    python benchmark/bench.py --mode bwd              # backward of ours and ours_det beside the peers' backward
+    python benchmark/bench.py --mode fwdbwd --hdims 128 --seqlens 4096,16384
 """
 
 import argparse
@@ -31,6 +36,9 @@ from flash_attention import flash_attn_func
 PEERS = ("sdpa_flash", "sdpa_cudnn", "sdpa_eff", "fa2", "fa4")
 # Peers that get an ours/peer column and summary: (provider, column label).
 RATIO_PEERS = (("sdpa_flash", "flash"), ("sdpa_cudnn", "cudnn"), ("fa4", "fa4"))
+# What each mode times and its FLOPs over the forward's: the backward runs 5 matmuls of the forward's size
+# (S = QK^T again, dP = dO V^T, dV, dQ, dK) to the forward's 2.
+MODES = {"fwd": ("forward", 1.0), "bwd": ("backward", 2.5), "fwdbwd": ("forward + backward", 3.5)}
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -55,9 +63,10 @@ def sdpa_provider(backend):
 
 
 def make_provider(name, tier):
-    """A function (q, k, v, causal) -> out in (b, s, h, d); raises if the provider cannot be loaded."""
-    if name == "ours":
-        return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal, tier=tier)
+    """A differentiable function (q, k, v, causal) -> out in (b, s, h, d); raises if the provider cannot be loaded."""
+    if name in ("ours", "ours_det"):
+        deterministic = name == "ours_det"
+        return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, tier=tier)
     if name in SDPA_BACKENDS:
         return sdpa_provider(SDPA_BACKENDS[name])
     if name == "fa2":
@@ -68,7 +77,20 @@ def make_provider(name, tier):
         from flash_attn.cute import flash_attn_func as fa4_func
 
         return lambda q, k, v, causal: fa4_func(q, k, v, causal=causal)[0]  # FA4 returns (out, lse)
-    raise ValueError(f"unknown provider {name!r}; known: ours, {', '.join(PEERS)}")
+    raise ValueError(f"unknown provider {name!r}; known: ours, ours_det, {', '.join(PEERS)}")
+
+
+def prepare_call(mode, attn, q, k, v, causal, dout):
+    """Runs provider `attn` once in `mode` (which also compiles the JIT peers, outside the timing) and returns its
+    results to check, {'out'} and in the backward modes {'dq', 'dk', 'dv'} too, and the call to time."""
+    out = attn(q, k, v, causal)
+    if mode == "fwd":
+        return {"out": out}, functools.partial(attn, q, k, v, causal)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    results = dict(out=out.detach(), dq=dq, dk=dk, dv=dv)
+    if mode == "bwd":  # the kept graph of this one forward is replayed backward, so only the backward is timed
+        return results, functools.partial(torch.autograd.grad, out, (q, k, v), dout, retain_graph=True)
+    return results, lambda: torch.autograd.grad(attn(q, k, v, causal), (q, k, v), dout)
 
 
 def time_samples_ms(fn, warmup, iters):
@@ -95,27 +117,48 @@ def time_providers_ms(fns, warmup, iters, rounds, rng):
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def reference_subset(q, k, v, causal):
-    """fp32 attention for batch 0 and the query heads that share key/value head 0 (at most 2), bottom-right causal.
-    Checking a slice keeps the reference cheap at 16k tokens while still covering every query and key."""
+def reference_subset(q, k, v, causal, dout=None):
+    """fp32 attention for batch 0 and the query heads that share key/value head 0 (at most 2), bottom-right causal:
+    {'out': (sq, heads, d)}; given dout, by autograd also 'dq' (sq, heads, d) and, when those heads are the whole
+    group of key/value head 0 and so give its whole gradient, 'dk' and 'dv' (sk, 1, d). Checking a slice keeps the
+    reference cheap at 16k tokens (1 GiB per fp32 score matrix, a few alive per head) while still covering every
+    query and key."""
     sq, h, d = q.shape[1], q.shape[2], q.shape[3]
     sk, hk = k.shape[1], k.shape[2]
     heads = min(2, h // hk)
-    kk, vv = k[0, :, 0].float(), v[0, :, 0].float()
-    outs = []
+    grad = dout is not None
+    # Detached copies: in the backward modes q, k, v require grad, and their graph must not grow here.
+    kk, vv = (t[0, :, 0].detach().float().requires_grad_(grad) for t in (k, v))
+    hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq).logical_not_() if causal else None
+    outs, dqs = [], []
     for head in range(heads):
-        scores = (q[0, :, head].float() @ kk.T) * d ** -0.5
+        qq = q[0, :, head].detach().float().requires_grad_(grad)
+        scores = (qq @ kk.T) * d ** -0.5
         if causal:
-            visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-            scores.masked_fill_(~visible, float("-inf"))
-        outs.append(torch.softmax(scores, dim=-1).nan_to_num_(0.0) @ vv)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        # A row that sees no key gives NaN here and 0 in the kernels; its masked_fill backward zeroes its gradient.
+        out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ vv
         del scores
-    return torch.stack(outs, dim=1), heads  # (sq, heads, d)
+        if grad:
+            out.backward(dout[0, :, head].float())  # adds this head's share to kk.grad and vv.grad
+            dqs.append(qq.grad)
+        outs.append(out.detach())
+        del out  # frees this head's graph before the next
+    ref = {"out": torch.stack(outs, dim=1)}
+    if grad:
+        ref["dq"] = torch.stack(dqs, dim=1)
+        if heads == h // hk:
+            ref["dk"], ref["dv"] = kk.grad.unsqueeze(1), vv.grad.unsqueeze(1)
+    return ref
 
 
-def relative_error(out, ref, heads):
-    got = out[0, :, :heads].float()
-    return ((got - ref).norm() / ref.norm()).item()
+def relative_errors(results, ref):
+    """Norm-wise relative error of each reference tensor against the same slice of a provider's results."""
+    errors = {}
+    for key, expected in ref.items():
+        got = results[key][0, :, : expected.shape[1]].float()
+        errors[key] = ((got - expected).norm() / expected.norm()).item()
+    return errors
 
 
 def parse_shape(text):
@@ -128,6 +171,14 @@ def parse_shape(text):
 
 def parse_ints(text):
     return [int(x) for x in text.split(",") if x]
+
+
+def parse_peers(text):
+    peers = [p for p in text.split(",") if p]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peers {','.join(unknown)}; known: {','.join(PEERS)}")
+    return peers
 
 
 def build_configs(args):
@@ -151,7 +202,7 @@ def geomean(values):
     return math.exp(sum(math.log(x) for x in values) / len(values)) if values else None
 
 
-def plot(rows, providers, path):
+def plot(rows, providers, path, what):
     try:
         import matplotlib
 
@@ -175,7 +226,7 @@ def plot(rows, providers, path):
         ax.set_ylim(bottom=0)
         ax.set_title(f"head dim {d}, {'causal' if causal else 'full'}")
         ax.set_xlabel("seqlen_q")
-        ax.set_ylabel("TFLOPS (fwd)")
+        ax.set_ylabel(f"TFLOPS ({what})")
         ax.grid(alpha=0.3)
     axes[0][0].legend()
     fig.tight_layout()
@@ -185,6 +236,8 @@ def plot(rows, providers, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=tuple(MODES), default="fwd",
+                        help="time the forward, the backward, or forward + backward")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--hdims", type=parse_ints, default=[64, 128, 256], help="head dims of the default sweep")
     parser.add_argument("--seqlens", type=parse_ints, default=[512, 1024, 2048, 4096, 8192, 16384])
@@ -193,7 +246,8 @@ def main():
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--shape", type=parse_shape, action="append", help="b,sq,sk,h,hk,d; repeatable; "
                         "replaces the default sweep")
-    parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
+    parser.add_argument("--peers", type=parse_peers, default=",".join(PEERS),
+                        help=f"comma-separated subset of {','.join(PEERS)}")
     parser.add_argument("--tier", default=None, help="force a tier of ours, e.g. sm80")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30, help="timed calls per provider and round")
@@ -204,59 +258,68 @@ def main():
     args = parser.parse_args()
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    what, flops_factor = MODES[args.mode]
+    backward = args.mode != "fwd"
     providers = {}
-    for name in ["ours"] + [p for p in args.peers.split(",") if p]:
+    for name in ["ours"] + (["ours_det"] if backward else []) + args.peers:
         try:
             providers[name] = make_provider(name, args.tier)
         except Exception as e:  # a peer that is not installed is simply absent
-            if name == "ours":
+            if name.startswith("ours"):
                 raise
             print(f"{name}: n/a ({type(e).__name__}: {e})")
     names = list(providers)
 
     gpu = torch.cuda.get_device_name()
-    print(f"{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, {args.dtype}, "
+    print(f"{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, {args.dtype}, {what}, "
           f"{args.rounds} rounds of warm-up {args.warmup} + {args.iters} timed calls, median")
-    ratios = [(peer, f"ours/{label}") for peer, label in RATIO_PEERS if peer in providers]
-    columns = ["b", "sq", "sk", "h", "hk", "d", "causal"] + names + [key for _, key in ratios]
+    # (numerator, denominator, column): ours over each strong peer; in the backward modes also the deterministic
+    # backward over the default one, the price of determinism.
+    ratios = [("ours", peer, f"ours/{label}") for peer, label in RATIO_PEERS if peer in providers]
+    if "ours_det" in providers:
+        ratios.append(("ours_det", "ours", "det/ours"))
+    columns = ["b", "sq", "sk", "h", "hk", "d", "causal"] + names + [key for _, _, key in ratios]
     widths = [4, 6, 6, 4, 4, 4, 6] + [max(10, len(n)) for n in names] + [10] * len(ratios)
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
 
     rows = []
     rng = random.Random(0)
     for b, sq, sk, h, hk, d, causal in build_configs(args):
-        q = torch.randn(b, sq, h, d, dtype=dtype, device="cuda")
-        k = torch.randn(b, sk, hk, d, dtype=dtype, device="cuda")
-        v = torch.randn(b, sk, hk, d, dtype=dtype, device="cuda")
-        flops = 4 * b * h * sq * sk * d / (2 if causal else 1)
-        ref, ref_heads = (None, 0) if args.no_check else reference_subset(q, k, v, causal)
-        row = dict(b=b, sq=sq, sk=sk, h=h, hk=hk, d=d, causal=causal, dtype=args.dtype)
+        q, k, v = (torch.randn(b, s, n, d, dtype=dtype, device="cuda", requires_grad=backward)
+                   for s, n in ((sq, h), (sk, hk), (sk, hk)))
+        dout = torch.randn_like(q) if backward else None
+        flops = flops_factor * 4 * b * h * sq * sk * d / (2 if causal else 1)
+        ref = None if args.no_check else reference_subset(q, k, v, causal, dout)
+        row = dict(b=b, sq=sq, sk=sk, h=h, hk=hk, d=d, causal=causal, dtype=args.dtype, mode=args.mode)
         bad = set()
         runnable = {}
-        for name, fn in providers.items():
+        for name, attn in providers.items():
             row[f"{name}_tflops"] = None
-            try:  # the first call also compiles the JIT peers, outside the timing
-                out = fn(q, k, v, causal)
-                if not torch.isfinite(out).all():
+            try:
+                results, call = prepare_call(args.mode, attn, q, k, v, causal, dout)
+                if not all(torch.isfinite(t).all() for t in results.values()):
                     raise RuntimeError("non-finite output")
                 if ref is not None:
-                    row[f"{name}_relerr"] = relative_error(out, ref, ref_heads)
-                    if not row[f"{name}_relerr"] <= RELERR_LIMIT:
+                    errors = relative_errors(results, ref)
+                    # The forward's key stays {name}_relerr, as before the backward modes; gradients add a suffix.
+                    row.update({f"{name}_relerr" + ("" if key == "out" else f"_{key}"): error
+                                for key, error in errors.items()})
+                    if not all(error <= RELERR_LIMIT for error in errors.values()):
                         bad.add(name)
-                del out
-                runnable[name] = functools.partial(fn, q, k, v, causal)
+                del results
+                runnable[name] = call
             except Exception as e:  # one failing provider must not stop the others
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         for name, ms in time_providers_ms(runnable, args.warmup, args.iters, args.rounds, rng).items():
             row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
-        for peer, key in ratios:
-            ours, theirs = row["ours_tflops"], row.get(f"{peer}_tflops")
-            row[key] = ours / theirs if ours and theirs else None
+        for num, den, key in ratios:
+            mine, theirs = row[f"{num}_tflops"], row[f"{den}_tflops"]
+            row[key] = mine / theirs if mine and theirs else None
         rows.append(row)
 
         cells = [str(b), str(sq), str(sk), str(h), str(hk), str(d), "yes" if causal else "no"]
         cells += [fmt(row[f"{n}_tflops"], ".1f") + ("!" if n in bad else "") for n in names]
-        cells += [fmt(row[key], ".3f") for _, key in ratios]
+        cells += [fmt(row[key], ".3f") for _, _, key in ratios]
         print("  ".join(c.rjust(w) for c, w in zip(cells, widths)), flush=True)
 
     failures = sorted({k[: -len("_error")] for r in rows for k in r if k.endswith("_error")})
@@ -264,25 +327,26 @@ def main():
         first = next(r for r in rows if f"{name}_error" in r)
         print(f"{name} failed on some shapes, e.g. {first[f'{name}_error']}")
     if not args.no_check:
-        print(f"'!' marks a result whose relative error against fp32 exceeds {RELERR_LIMIT}")
+        checked = "output, dq, and dk and dv where checkable" if backward else "output"
+        print(f"'!' marks a result whose relative error against fp32 ({checked}) exceeds {RELERR_LIMIT}")
 
     summary = {}
-    for peer, key in ratios:
+    for num, den, key in ratios:
         values = [r[key] for r in rows if r[key] is not None]
-        summary[f"geomean_ours_over_{peer}"] = geomean(values)
-        summary[f"min_ours_over_{peer}"] = min(values) if values else None
-    print("   ".join(f"{stat} ours/{peer}: {fmt(summary[f'{stat}_ours_over_{peer}'], '.3f')}"
-                     for peer, _ in ratios for stat in ("geomean", "min")))
+        summary[f"geomean_{num}_over_{den}"] = geomean(values)
+        summary[f"min_{num}_over_{den}"] = min(values) if values else None
+    print("   ".join(f"{stat} {num}/{den}: {fmt(summary[f'{stat}_{num}_over_{den}'], '.3f')}"
+                     for num, den, _ in ratios for stat in ("geomean", "min")))
 
     if args.json:
-        meta = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, dtype=args.dtype, tier=args.tier,
-                    warmup=args.warmup, iters=args.iters, command=" ".join(sys.argv),
+        meta = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, dtype=args.dtype, mode=args.mode,
+                    tier=args.tier, warmup=args.warmup, iters=args.iters, command=" ".join(sys.argv),
                     date=datetime.datetime.now().isoformat(timespec="seconds"))
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, summary=summary, rows=rows), f, indent=1)
         print(f"results written to {args.json}")
     if args.png:
-        plot(rows, names, args.png)
+        plot(rows, names, args.png, what)
 
 
 if __name__ == "__main__":
