@@ -1,5 +1,5 @@
-"""Checks that need no GPU: input validation, tier dispatch, the Python-side preparation of inputs, and the
-reference itself. They run on the CPU-only CI."""
+"""Checks that need no GPU: input validation, tier dispatch, the Python-side preparation of inputs, the autograd
+wiring of the ops (with CPU stand-ins for the kernels), and the reference itself. They run on the CPU-only CI."""
 
 import itertools
 import math
@@ -7,10 +7,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 import flash_attention
 from flash_attention import _checks, _ops, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from flash_attention.interface import normalize_window, pad_head_dim
+from helpers import SelfAttention
 from reference import attention_mask, attention_ref
 
 fp16, bf16 = torch.float16, torch.bfloat16
@@ -22,6 +25,10 @@ def rand(*shape, dtype=fp16, device="cpu"):
 
 def make_qkv(b=2, sq=5, sk=7, h=4, hk=2, d=16, dtype=fp16):
     return rand(b, sq, h, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype)
+
+
+def leaves(*tensors):
+    return [t.requires_grad_() for t in tensors]
 
 
 def call(q=None, k=None, v=None, **kwargs):
@@ -266,8 +273,9 @@ def stub_kernel(monkeypatch):
     """Let CPU tensors through and run the reference in place of the op; returns the list of calls it received."""
     calls = []
 
-    def fake_fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, tier):
-        calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, window=(window_left, window_right), tier=tier))
+    def fake_fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+        calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, window=(window_left, window_right),
+                          deterministic=deterministic, tier=tier))
         out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
         return out.to(q.dtype), lse
 
@@ -291,10 +299,11 @@ def test_padded_head_dim_matches_reference(stub_kernel, d):
 
 def test_arguments_reach_the_kernel(stub_kernel):
     q, k, v = make_qkv(sq=6, sk=9)
-    flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, window_size=(2, -1), tier="sm80")
+    flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, window_size=(2, -1), deterministic=True, tier="sm80")
     flash_attn_func(q, k, v, window_size=(100, 1))
     first, second = stub_kernel
     assert first["softmax_scale"] == 0.3 and first["window"] == (2, 0) and first["tier"] == "sm80"
+    assert first["deterministic"] is True and second["deterministic"] is False
     assert first["q"] is q  # head dim 16 needs no padding and no copy
     assert second["window"] == (-1, 1) and second["tier"] is None
 
@@ -326,16 +335,27 @@ def test_return_convention(stub_kernel):
         assert len(packed) == 3 and packed[2] is None and packed[1].shape == (2, 4, 5)
 
 
+@pytest.fixture
+def no_extension(monkeypatch):
+    """The extension fails to import, as in a build without CUDA: any kernel launch raises."""
+    monkeypatch.setattr(_ops, "_extension", None)
+    monkeypatch.setattr(_ops, "_EXTENSION_NAME", "flash_attention._no_such_extension")
+
+
 @pytest.mark.parametrize(
     "b, sq, sk", [(2, 0, 7), (2, 5, 0), (0, 5, 7), (2, 0, 0)], ids=["sq0", "sk0", "b0", "sq0-sk0"]
 )
-def test_empty_sequences(stub_kernel, b, sq, sk):
-    q, k, v = make_qkv(b=b, sq=sq, sk=sk, d=59)
+def test_empty_sequences(no_extension, monkeypatch, b, sq, sk):
+    """No query, key or batch: out 0, lse -inf and zero gradients, all without a kernel."""
+    monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
+    q, k, v = leaves(*make_qkv(b=b, sq=sq, sk=sk, d=59))
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    assert stub_kernel == []
     assert out.shape == q.shape and out.dtype == q.dtype and not out.any()
     assert lse.shape == (b, 4, sq) and lse.dtype == torch.float32
     assert (lse == float("-inf")).all()
+    out.backward(torch.randn_like(out))
+    for x in (q, k, v):
+        assert x.grad.shape == x.shape and x.grad.dtype == x.dtype and not x.grad.any()
 
 
 def test_compile_traces_one_graph(monkeypatch):
@@ -367,14 +387,150 @@ def test_compile_traces_one_graph(monkeypatch):
     assert targets.count("flash_attention.fwd.default") == 1
 
 
-def test_backward_raises():
-    """The op's autograd formula raises; check it through the registered op on CPU with a stand-in kernel."""
-    q = rand(1, 3, 2, 16, dtype=torch.float32).requires_grad_()
+# ---------------------------------------------------------------------------------------------------------------
+# The autograd wiring on CPU, with stand-ins registered under the custom ops
+
+@pytest.fixture
+def standin_ops(monkeypatch):
+    """Let CPU tensors through and register CPU stand-ins under both custom ops, so that their own autograd formulas
+    and fakes run: the forward is the reference, the backward returns 2 * dout, 3 * k and 4 * v, distinct for each
+    input. Returns the calls they received, by op."""
+    calls = {"fwd": [], "bwd": []}
+
+    def fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+        out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
+        out = out.to(q.dtype, memory_format=torch.contiguous_format)  # laid out as the ops' fakes say
+        calls["fwd"].append(dict(q=q, k=k, v=v, out=out, lse=lse))
+        return out, lse
+
+    def bwd(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+            deterministic, tier):
+        calls["bwd"].append(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, softmax_scale=softmax_scale,
+                                 window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+                                 deterministic=deterministic, tier=tier))
+        return tuple(g.contiguous() for g in (2 * dout, 3 * k, 4 * v))
+
+    monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
     with torch.library._scoped_library("flash_attention", "IMPL") as lib:
-        lib.impl("fwd", lambda q, *args: (q * 1, q.new_zeros(q.shape[0], q.shape[2], q.shape[1])), "CPU")
-        out, _ = _ops.fwd(q, q, q, 1.0, -1, -1, 0.0, None, None)
-        with pytest.raises(NotImplementedError, match="backward pass is not implemented yet"):
-            out.sum().backward()
+        lib.impl("fwd", fwd, "CPU")
+        lib.impl("bwd", bwd, "CPU")
+        yield calls
+
+
+def test_backward_runs_bwd_on_saved_state(standin_ops):
+    q, k, v = leaves(*make_qkv())
+    slopes = torch.rand(4)
+    out, lse = _ops.fwd(q, k, v, 0.3, 2, 0, 1.5, slopes, True, "sm80")
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    (fwd_call,), (bwd_call,) = standin_ops["fwd"], standin_ops["bwd"]
+    for name in ("q", "k", "v", "out", "lse"):
+        assert torch.equal(bwd_call[name], fwd_call[name]), name
+    assert torch.equal(bwd_call["dout"], dout)
+    assert bwd_call["dlse"] is None  # the loss does not use lse: the kernel skips that term
+    assert bwd_call["softmax_scale"] == 0.3 and bwd_call["window"] == (2, 0) and bwd_call["softcap"] == 1.5
+    assert torch.equal(bwd_call["alibi_slopes"], slopes) and bwd_call["tier"] == "sm80"
+    assert bwd_call["deterministic"] is True
+    assert torch.equal(dq, 2 * dout) and torch.equal(dk, 3 * k) and torch.equal(dv, 4 * v)
+
+
+@pytest.mark.parametrize("loss", ["out+lse", "lse"])
+def test_lse_gradient_reaches_bwd(standin_ops, loss):
+    q, k, v = leaves(*make_qkv())
+    out, lse = _ops.fwd(q, k, v, 0.25, -1, -1, 0.0, None, False, None)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    if loss == "lse":
+        torch.autograd.grad(lse, (q, k, v), dlse)
+        dout = torch.zeros_like(out)  # the kernel takes a dout tensor even when the loss ignores out
+    else:
+        torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    (call,) = standin_ops["bwd"]
+    assert torch.equal(call["dlse"], dlse) and torch.equal(call["dout"], dout)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_reaches_bwd(standin_ops, deterministic):
+    q, k, v = leaves(*make_qkv())
+    qkv, kv = leaves(rand(2, 5, 3, 4, 16), rand(2, 7, 2, 2, 16))
+    flash_attn_func(q, k, v, deterministic=deterministic).sum().backward()
+    flash_attn_qkvpacked_func(qkv, deterministic=deterministic).sum().backward()
+    flash_attn_kvpacked_func(q, kv, deterministic=deterministic).sum().backward()
+    assert [call["deterministic"] for call in standin_ops["bwd"]] == [deterministic] * 3
+
+
+@pytest.mark.parametrize("d", [16, 13])
+def test_grads_reach_inputs(standin_ops, d):
+    q, k, v = leaves(*make_qkv(d=d))
+    out = flash_attn_func(q, k, v, causal=True, softmax_scale=0.5)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    (call,) = standin_ops["bwd"]
+    # The kernel works on the head dim padded to 8, and the padding is sliced off the gradients.
+    assert call["q"].shape[-1] == call["k"].shape[-1] == call["dout"].shape[-1] == 16
+    assert torch.equal(call["dout"][..., :d], dout)
+    assert call["softmax_scale"] == 0.5 and call["window"] == (-1, 0)
+    assert torch.equal(q.grad, 2 * dout) and torch.equal(k.grad, 3 * k) and torch.equal(v.grad, 4 * v)
+
+
+def test_packed_grads_reach_inputs(standin_ops):
+    qkv, kv, q = leaves(rand(2, 5, 3, 4, 16), rand(2, 7, 2, 2, 16), rand(2, 5, 4, 16))
+    out = flash_attn_qkvpacked_func(qkv, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _, k, v = qkv.detach().unbind(2)
+    assert torch.equal(qkv.grad, torch.stack((2 * dout, 3 * k, 4 * v), dim=2))
+
+    out = flash_attn_kvpacked_func(q, kv)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    k, v = kv.detach().unbind(2)
+    assert torch.equal(q.grad, 2 * dout) and torch.equal(kv.grad, torch.stack((3 * k, 4 * v), dim=2))
+
+
+@pytest.mark.parametrize("wanted", ["q", "k", "v", "kv"])
+def test_some_inputs_require_grad(standin_ops, wanted):
+    inputs = dict(zip("qkv", make_qkv()))
+    leaves(*(inputs[name] for name in wanted))
+    out = flash_attn_func(*inputs.values())
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    expected = dict(q=2 * dout, k=3 * inputs["k"], v=4 * inputs["v"])
+    for name, x in inputs.items():
+        if name in wanted:
+            assert torch.equal(x.grad, expected[name]), name
+        else:
+            assert x.grad is None, name
+
+
+def test_compile_traces_backward(standin_ops):
+    """torch.compile(fullgraph=True) of a layer puts the fwd op in the forward graph and the bwd op in the backward
+    graph (through their fakes), passes deterministic on, and gives eager's gradients."""
+    graphs = {}
+
+    def capture(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = [str(node.target) for node in gm.graph.nodes]
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    model = SelfAttention(32, 4, 2, 16, deterministic=True).to(bf16)
+    x = rand(2, 5, 32, dtype=bf16).requires_grad_()
+    dy = torch.randn_like(x)
+
+    def run(module):
+        y = module(x)
+        return (y, *torch.autograd.grad(y, [x, *model.parameters()], dy))
+
+    eager = run(model)
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
+    compiled = run(torch.compile(model, fullgraph=True, backend=backend))
+    assert graphs["forward"].count("flash_attention.fwd.default") == 1
+    assert graphs["backward"].count("flash_attention.bwd.default") == 1
+    assert [call["deterministic"] for call in standin_ops["bwd"]] == [True, True]
+    for c, e in zip(compiled, eager):
+        assert torch.equal(c, e)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -385,16 +541,14 @@ def test_package_imports():
     assert callable(flash_attention.flash_attn_func)
 
 
-def test_missing_extension(monkeypatch):
-    monkeypatch.setattr(_ops, "_extension", None)
-    monkeypatch.setattr(_ops, "_EXTENSION_NAME", "flash_attention._no_such_extension")
+def test_missing_extension(no_extension, monkeypatch):
     missing = r"CUDA extension flash_attention\._C is missing.*FLASH_ATTN_SKIP_CUDA_BUILD"
     with pytest.raises(RuntimeError, match=missing):
         _ops.load_extension()
     assert not _ops.extension_available()
     q, k, v = make_qkv()
     with pytest.raises(RuntimeError, match=r"CUDA extension .* is missing"):
-        _ops.fwd(q, k, v, 0.25, -1, -1, 0.0, None, None)
+        _ops.fwd(q, k, v, 0.25, -1, -1, 0.0, None, False, None)
     monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
     with pytest.raises(RuntimeError, match=r"CUDA extension .* is missing"):
         flash_attn_func(q, k, v)
@@ -478,6 +632,18 @@ def test_reference_fully_masked_rows(upcast):
     assert out.dtype == (torch.float32 if upcast else bf16) and lse.dtype == torch.float32
     assert not out[:, :2].any() and (lse[:, :, :2] == float("-inf")).all()
     assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 2:]).all()
+
+
+@pytest.mark.parametrize("upcast", [True, False], ids=["fp32", "bf16"])
+def test_reference_grads_of_fully_masked_rows(upcast):
+    """The GPU tests measure gradients against the reference's: a row that sees no key must give finite gradients,
+    and dq 0, in either precision, though softmax of its all -inf scores is NaN before it is masked."""
+    q, k, v = leaves(*(t.float() if upcast else t for t in make_qkv(b=1, sq=4, sk=2, h=2, hk=1, d=8, dtype=bf16)))
+    out, lse = attention_ref(q, k, v, causal=True, softcap=2.0, alibi_slopes=torch.rand(2), upcast=upcast)
+    dlse = torch.randn_like(lse).masked_fill(lse == float("-inf"), 0.0)
+    dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), dlse))
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    assert not dq[:, :2].any() and dk.any() and dv.any()
 
 
 def test_reference_low_precision_is_close():
