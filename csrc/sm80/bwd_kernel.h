@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         int const col0 = n_block * kBlockN;
 
         // The loop exists twice, with and without softcap / ALiBi, so that the common case pays nothing for them.
-        auto mainloop = [&](auto with_score_mods) {
+        auto mainloop = [&](auto with_score_mods) __attribute__((always_inline)) {
             for (int it = 0; it < iters; ++it) {
                 int const head = head_of(it);
                 int const m_block = m_block_of(it);
