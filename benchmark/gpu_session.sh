@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call: install from the carried nvidia-cutlass wheel (the GPU machine has no network), build, run the CUDA
-# tests, then the benchmark. Logs land in $OUT (default ./gpu_logs).
-#   usage: benchmark/gpu_session.sh [test|bench|all] [extra bench.py args...]
+# One device call: install from the carried nvidia-cutlass wheel (the GPU machine has no network), build, then the CUDA
+# tests, compute-sanitizer, or the benchmark. Logs land in $OUT (default ./gpu_logs).
+#   usage: benchmark/gpu_session.sh [test|sanitize|bench|all] [extra bench.py args...]
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu_logs}; mkdir -p "$out"
@@ -14,13 +14,17 @@ t0=$(date +%s)
 MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install -e . --no-build-isolation -v > "$out/build.log" 2>&1 \
   || { grep -v "^ *$" "$out/build.log" | tail -60; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
-grep -h "kernels built\|hdim.*: [0-9]* s" "$out/build.log" | tail -15
-grep -h "Compiling entry\|registers\|spill" build/kernels/*.log | paste - - - | \
-  sed -E 's/.*fwd_kernelINS0_9FwdTraitsIL?i?([^E]*)E.*for .(sm_[0-9a]+).*\t *([0-9]+ bytes stack frame, [0-9]+ bytes spill stores).*Used ([0-9]+) registers.*/\1 \2 \3 regs=\4/' \
-  | sort -u > "$out/ptxas.txt"
-cat "$out/ptxas.txt"
+grep -h "kernels built\|hdim.*: [0-9]* s" "$out/build.log" | tail -30
+python3 benchmark/ptxas_report.py build/kernels > "$out/ptxas.txt"
+grep -v "regs=.* stack=0 spill=0/0" "$out/ptxas.txt" || echo "ptxas: no kernel has a stack frame or spills"
 if [ "$what" = test ] || [ "$what" = all ]; then
   python3 -m pytest -m cuda tests -q -x -p no:cacheprovider 2>&1 | tee "$out/test.log" | tail -25
+fi
+if [ "$what" = sanitize ]; then
+  dims=$(python3 -c "from flash_attention import _ops; print(' '.join(sorted({str(hd) for (_, _, hd, _) in _ops.available_kernels()}, key=int)))")
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --print-limit 20 python3 benchmark/small_case.py $dims 2>&1 | tee "$out/sanitize_$tool.log" | tail -6
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmark/bench.py --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.log"
