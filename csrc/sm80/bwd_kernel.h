@@ -133,9 +133,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
             load_tile<true>(gmem_copy, gmem_thr.partition_S(g), gmem_thr.partition_D(s), tQcQ, sq - m_block * kBlockM,
                             d);
         };
+        // lse and D of a query tile's rows go to shared memory with its Q (one stage each, zero past sq) and are read
+        // after the S and dP GEMMs, so they hold no registers across them.
+        float* const s_lse = reinterpret_cast<float*>(smem + Traits::kSmemRowStatsOffset);  // (kBlockM, kQStages)
+        float* const s_dpsum = s_lse + kQStages * kBlockM;
         auto load_q = [&](int it) {
+            int const stage = it % kQStages;
             load_rows(params.q, params.q_batch_stride, params.q_head_stride, params.q_row_stride, it,
-                      sQ(_, _, it % kQStages));
+                      sQ(_, _, stage));
+            int const row = m_block_of(it) * kBlockM + tid % kBlockM;
+            int64_t const idx = (int64_t(batch) * params.h + head_of(it)) * sq + min(row, sq - 1);
+            if (tid < 2 * kBlockM) {
+                float const* src = tid < kBlockM ? params.lse + idx : params.dpsum + idx;
+                float* dst = (tid < kBlockM ? s_lse : s_dpsum) + stage * kBlockM + tid % kBlockM;
+                SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(*src, *dst, row < sq);
+            }
         };
         auto load_do = [&](int it) {
             load_rows(params.dout, params.do_batch_stride, params.do_head_stride, params.do_row_stride, it, sdO);
@@ -151,16 +163,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
         auto copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
         auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
-        Tensor tSsQ = copy_a_sdp.get_thread_slice(tid).partition_S(sQ);  // (CPY, M, K, stage)
-        auto const tSsK = smem_operand(copy_b_sdp.get_thread_slice(tid).partition_S(sK));
-        auto const tdPsdO = smem_operand(copy_a_sdp.get_thread_slice(tid).partition_S(sdO));
-        auto const tdPsV = smem_operand(copy_b_sdp.get_thread_slice(tid).partition_S(sV));
-        auto const tdVsPt = smem_operand(copy_a_dkv.get_thread_slice(tid).partition_S(sPt));
-        auto const tdVsdOt = smem_operand(copy_b_dkv.get_thread_slice(tid).partition_S(sdOt));
-        auto const tdKsdSt = smem_operand(copy_a_dkv.get_thread_slice(tid).partition_S(sdSt));
-        Tensor tdKsQt = copy_b_dkv.get_thread_slice(tid).partition_S(sQt);  // (CPY, D, M, stage)
-        auto const tdQsdS = smem_operand(copy_a_dq.get_thread_slice(tid).partition_S(sdS));
-        auto const tdQsKt = smem_operand(copy_b_dq.get_thread_slice(tid).partition_S(sKt));
+        // ldmatrix sources, each addressed from one held base per thread (see XorSmemOperand); Q's are per stage.
+        auto const tSsQ = make_xor_operand(copy_a_sdp.get_thread_slice(tid), sQ);
+        auto const tSsK = make_xor_operand(copy_b_sdp.get_thread_slice(tid), sK);
+        auto const tdPsdO = make_xor_operand(copy_a_sdp.get_thread_slice(tid), sdO);
+        auto const tdPsV = make_xor_operand(copy_b_sdp.get_thread_slice(tid), sV);
+        auto const tdVsPt = make_xor_operand(copy_a_dkv.get_thread_slice(tid), sPt);
+        auto const tdVsdOt = make_xor_operand(copy_b_dkv.get_thread_slice(tid), sdOt);
+        auto const tdKsdSt = make_xor_operand(copy_a_dkv.get_thread_slice(tid), sdSt);
+        auto const tdKsQt = make_xor_operand(copy_b_dkv.get_thread_slice(tid), sQt);
+        auto const tdQsdS = make_xor_operand(copy_a_dq.get_thread_slice(tid), sdS);
+        auto const tdQsKt = make_xor_operand(copy_b_dq.get_thread_slice(tid), sKt);
 
         Tensor tSrQ = thr_sdp.partition_fragment_A(sQ(_, _, 0));
         Tensor tSrK = thr_sdp.partition_fragment_B(sK);
@@ -200,33 +213,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                     cp_async_fence();
                 }
 
-                // lse in log2 units and D of this thread's rows. Rows past sq and rows that see no key (lse -inf) get
-                // lse +inf, so P = 0 there.
-                int64_t const row_base = (int64_t(batch) * params.h + head) * sq + row0;
-                float lse2[kRows], dpsum[kRows];
-                CUTE_UNROLL
-                for (int r = 0; r < kRows; ++r) {
-                    int const row = get<0>(coord_s_rc(r, 0));
-                    bool const in = row0 + row < sq;
-                    float const lse = in ? params.lse[row_base + row] : INFINITY;
-                    lse2[r] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
-                    dpsum[r] = in ? params.dpsum[row_base + row] : 0.f;
-                }
-
                 Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
                 Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
                 clear(acc_s);
                 clear(acc_dp);
-                gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, smem_operand(tSsQ(_, _, _, stage)), tSsK, copy_a_sdp, copy_b_sdp,
-                        tid);
+                gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ.stage(stage), tSsK, copy_a_sdp, copy_b_sdp, tid);
                 gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, copy_b_sdp, tid);
 
+                // lse in log2 units and D of this thread's rows. Rows past sq and rows that see no key (lse -inf) get
+                // lse +inf, so P = 0 there.
+                float lse2[kRows];
                 auto s_rc = rowcol_view(acc_s);
                 auto dp_rc = rowcol_view(acc_dp);
                 CUTE_UNROLL
                 for (int r = 0; r < kRows; ++r) {
+                    int const row = get<0>(coord_s_rc(r, 0));
+                    float const lse = s_lse[stage * kBlockM + row];
+                    lse2[r] = row0 + row >= sq || lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+                    float const dpsum = s_dpsum[stage * kBlockM + row];
                     CUTE_UNROLL
-                    for (int c = 0; c < size<1>(dp_rc); ++c) { dp_rc(r, c) -= dpsum[r]; }
+                    for (int c = 0; c < size<1>(dp_rc); ++c) { dp_rc(r, c) -= dpsum; }
                 }
                 if constexpr (decltype(with_score_mods)::value) {
                     if (params.has_softcap) {
@@ -284,8 +290,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                     for (int i = 0; i < size(acc_dq); ++i) { atomicAdd(dq_tile + i * kNThreads, acc_dq(i)); }
                 }
 
-                gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, smem_operand(tdKsQt(_, _, _, stage)), copy_a_dkv,
-                        copy_b_dkv, tid);
+                gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt.stage(stage), copy_a_dkv, copy_b_dkv, tid);
                 if constexpr (kQStages == 1) {
                     // Every warp is done with Q.
                     __syncthreads();

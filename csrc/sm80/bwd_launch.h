@@ -47,34 +47,35 @@ cudaError_t launch_bwd(BwdParams const& params, cudaStream_t stream) {
 
 // Tiles (kBlockM, kBlockN, warps, warps along the first mode of S/dP, dK/dV and dQ, Q stages), largest first; the
 // first that fits the device's shared memory runs. Registers bind first: dK and dV stay in fp32 registers for the
-// whole kernel, so wide key blocks go with short query tiles. The first tile fits the H100/H200 (227 KB), the last
-// sm86/89/120 (99 KB); the A100 (163 KB) takes the first for d <= 192.
+// whole kernel. The first tile fits the H100/H200 (227 KB), the last sm86/89/120 (99 KB); the A100 (163 KB) takes
+// the first one up to d 192. Measured on an H100 (benchmark/RESULTS.md): for d 64 the 128 x 128 tile beats the
+// spill-free 64 x 128 one by 15% despite its spills, for d 128 the 64 x 128 tile beats 128 x 64 and 64 x 64.
 template <int kHeadDim, typename Element>
 cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
     auto launch = [&](auto traits) { return launch_bwd<decltype(traits)>(params, stream); };
     if constexpr (kHeadDim == 32) {
-        // 104 KB, 96 KB
+        // 106 KB, 97 KB
         return launch_first_fitting<BwdTraits<32, 128, 128, 8, 4, 4, 4, 2, Element>,
                                     BwdTraits<32, 128, 128, 8, 4, 4, 4, 1, Element>>(params, launch);
     } else if constexpr (kHeadDim == 64) {
-        // 144 KB, 80 KB
+        // 146 KB, 81 KB
         return launch_first_fitting<BwdTraits<64, 128, 128, 8, 4, 4, 4, 2, Element>,
                                     BwdTraits<64, 64, 128, 8, 2, 4, 4, 1, Element>>(params, launch);
     } else if constexpr (kHeadDim == 96) {
-        // 116 KB, 76 KB
+        // 117 KB, 77 KB
         return launch_first_fitting<BwdTraits<96, 64, 128, 8, 2, 4, 4, 2, Element>,
                                     BwdTraits<96, 64, 64, 8, 2, 4, 4, 2, Element>>(params, launch);
     } else if constexpr (kHeadDim == 128) {
-        // 144 KB, 96 KB
+        // 145 KB, 97 KB
         return launch_first_fitting<BwdTraits<128, 64, 128, 8, 2, 4, 2, 2, Element>,
                                     BwdTraits<128, 64, 64, 8, 4, 2, 2, 2, Element>>(params, launch);
     } else if constexpr (kHeadDim == 192) {
-        // 136 KB, 80 KB
+        // 137 KB, 81 KB
         return launch_first_fitting<BwdTraits<192, 64, 64, 8, 4, 2, 2, 2, Element>,
                                     BwdTraits<192, 64, 32, 8, 4, 2, 2, 1, Element>>(params, launch);
     } else {
         static_assert(kHeadDim == 256, "no backward tile for this head dim");
-        // 176 KB, 144 KB, 84 KB
+        // 177 KB, 145 KB, 85 KB
         return launch_first_fitting<BwdTraits<256, 64, 64, 8, 4, 2, 2, 2, Element>,
                                     BwdTraits<256, 64, 64, 8, 4, 2, 2, 1, Element>,
                                     BwdTraits<256, 32, 32, 4, 2, 2, 2, 2, Element>>(params, launch);

@@ -141,9 +141,11 @@ struct BwdTraits : TileBase<kHeadDim_, kNWarps_, Element_> {
     static constexpr int kSmemdOElems = cosize_v<SmemLayoutdO>;
     static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
     static constexpr int kSmemPdSElems = cosize_v<SmemLayoutPdS>;
-    // Q stages, dO, K, V, P, dS; the dK / dV epilogue reuses K's and V's space.
-    static constexpr int kSmemBytes =
+    // Q stages, dO, K, V, P, dS, then lse and D of each Q stage's rows (fp32); the dK / dV epilogue reuses K's and V's
+    // space.
+    static constexpr int kSmemRowStatsOffset =
         (kSmemQElems + kSmemdOElems + 2 * kSmemKVElems + 2 * kSmemPdSElems) * int(sizeof(Element));
+    static constexpr int kSmemBytes = kSmemRowStatsOffset + 2 * kQStages * kBlockM * int(sizeof(float));
 };
 
 }  // namespace flash::sm80
