@@ -39,7 +39,9 @@ def kernel_jobs():
     """(source, archs, ptx_arch) for every instantiation the environment asks for."""
     archs = build_config.requested_archs()
     jobs = []
-    for src in generate_kernels.kernel_sources(head_dims=build_config.requested_head_dims()):
+    sources = generate_kernels.kernel_sources(head_dims=build_config.requested_head_dims())
+    # Longest compiles first (backward before forward, large head dims first), so that no long job starts last.
+    for src in sorted(sources, key=lambda s: (s.direction == "bwd", s.head_dim), reverse=True):
         tier_archs = [a for a in archs if a in generate_kernels.tier_archs(src.tier)]
         if tier_archs:
             jobs.append((src.path, tier_archs, src.tier))
