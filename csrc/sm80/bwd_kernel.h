@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
     Interval const m_range = Range::m_blocks(window, n_block);
     int const m_count = m_range.hi - m_range.lo;
-    int const iters = m_count * params.h_per_hk;  // (query head of the group, query tile) pairs, tiles fastest
+    int const iters = m_count * params.h_per_hk;
 
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
     Tensor sdO = make_tensor(sQ.data() + Int<Traits::kSmemQElems>{}, typename Traits::SmemLayoutdO{});
@@ -122,13 +122,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         load_tile<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, sk - n_block * kBlockN,
                         d);
 
-        auto head_of = [&](int it) { return head_kv * params.h_per_hk + it / m_count; };
-        auto m_block_of = [&](int it) { return m_range.lo + it % m_count; };
         // Rows of Q or dO of iteration `it` into a shared tile; rows past sq are zero-filled.
-        auto load_rows = [&](void const* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride, int it,
-                             auto&& s) {
-            int const m_block = m_block_of(it);
-            Tensor g = local_tile(gmem_rows(base, batch_stride, head_stride, row_stride, head_of(it), sq),
+        auto load_rows = [&](void const* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride, int head,
+                             int m_block, auto&& s) {
+            Tensor g = local_tile(gmem_rows(base, batch_stride, head_stride, row_stride, head, sq),
                                   Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
             load_tile<true>(gmem_copy, gmem_thr.partition_S(g), gmem_thr.partition_D(s), tQcQ, sq - m_block * kBlockM,
                             d);
@@ -137,23 +134,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         // after the S and dP GEMMs, so they hold no registers across them.
         float* const s_lse = reinterpret_cast<float*>(smem + Traits::kSmemRowStatsOffset);  // (kBlockM, kQStages)
         float* const s_dpsum = s_lse + kQStages * kBlockM;
-        auto load_q = [&](int it) {
-            int const stage = it % kQStages;
-            load_rows(params.q, params.q_batch_stride, params.q_head_stride, params.q_row_stride, it,
+        auto load_q = [&](int head, int m_block, int stage) {
+            load_rows(params.q, params.q_batch_stride, params.q_head_stride, params.q_row_stride, head, m_block,
                       sQ(_, _, stage));
-            int const row = m_block_of(it) * kBlockM + tid % kBlockM;
-            int64_t const idx = (int64_t(batch) * params.h + head_of(it)) * sq + min(row, sq - 1);
+            int const row = m_block * kBlockM + tid % kBlockM;
+            int64_t const idx = (int64_t(batch) * params.h + head) * sq + min(row, sq - 1);
             if (tid < 2 * kBlockM) {
                 float const* src = tid < kBlockM ? params.lse + idx : params.dpsum + idx;
                 float* dst = (tid < kBlockM ? s_lse : s_dpsum) + stage * kBlockM + tid % kBlockM;
                 SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(*src, *dst, row < sq);
             }
         };
-        auto load_do = [&](int it) {
-            load_rows(params.dout, params.do_batch_stride, params.do_head_stride, params.do_row_stride, it, sdO);
+        auto load_do = [&](int head, int m_block) {
+            load_rows(params.dout, params.do_batch_stride, params.do_head_stride, params.do_row_stride, head, m_block,
+                      sdO);
         };
-        load_q(0);
-        load_do(0);
+        // Iterations walk (query head of the group, query tile) pairs, tiles fastest; the next pair is stepped to, not
+        // divided out, since the loop is short of integer issue slots.
+        int head = head_kv * params.h_per_hk, m_block = m_range.lo;
+        load_q(head, m_block, 0);
+        load_do(head, m_block);
         cp_async_fence();
 
         // shared -> register copies, one per operand role
@@ -199,8 +199,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         // The loop exists twice, with and without softcap / ALiBi, so that the common case pays nothing for them.
         auto mainloop = [&](auto with_score_mods) __attribute__((always_inline)) {
             for (int it = 0; it < iters; ++it) {
-                int const head = head_of(it);
-                int const m_block = m_block_of(it);
+                bool const has_next = it + 1 < iters;
+                int const next_head = m_block + 1 == m_range.hi ? head + 1 : head;
+                int const next_m_block = m_block + 1 == m_range.hi ? m_range.lo : m_block + 1;
                 int const row0 = m_block * kBlockM;
                 int const stage = it % kQStages;
 
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                 cp_async_wait<0>();
                 __syncthreads();
                 if constexpr (kQStages == 2) {
-                    if (it + 1 < iters) { load_q(it + 1); }
+                    if (has_next) { load_q(next_head, next_m_block, (it + 1) % kQStages); }
                     cp_async_fence();
                 }
 
@@ -217,8 +218,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                 Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
                 clear(acc_s);
                 clear(acc_dp);
-                gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ.stage(stage), tSsK, copy_a_sdp, copy_b_sdp, tid);
-                gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_a_sdp, copy_b_sdp, tid);
+                gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ.stage(stage), tSsK.opaque(), copy_a_sdp, copy_b_sdp, tid);
+                gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO.opaque(), tdPsV.opaque(), copy_a_sdp, copy_b_sdp, tid);
 
                 // lse in log2 units and D of this thread's rows. Rows past sq and rows that see no key (lse -inf) get
                 // lse +inf, so P = 0 there.
@@ -262,15 +263,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                 copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_dp)), tdSsdS);
                 __syncthreads();
 
-                gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_a_dkv, copy_b_dkv, tid);
+                gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt.opaque(), tdVsdOt.opaque(), copy_a_dkv, copy_b_dkv, tid);
                 // Every warp is done with dO: the next tile's dO loads under dQ and dK.
                 __syncthreads();
-                if (it + 1 < iters) { load_do(it + 1); }
+                if (has_next) { load_do(next_head, next_m_block); }
                 cp_async_fence();
 
                 Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
                 clear(acc_dq);
-                gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, copy_b_dq, tid);
+                gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS.opaque(), tdQsKt.opaque(), copy_a_dq, copy_b_dq, tid);
                 // The workspace holds each query tile as a run of kBlockM * kHeadDim floats in fragment order, so the
                 // 32 lanes of a warp add into 128 contiguous bytes.
                 float* dq_tile = params.dq_accum +
@@ -290,13 +291,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                     for (int i = 0; i < size(acc_dq); ++i) { atomicAdd(dq_tile + i * kNThreads, acc_dq(i)); }
                 }
 
-                gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt.stage(stage), copy_a_dkv, copy_b_dkv, tid);
+                gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt.opaque(), tdKsQt.stage(stage), copy_a_dkv, copy_b_dkv, tid);
                 if constexpr (kQStages == 1) {
                     // Every warp is done with Q.
                     __syncthreads();
-                    if (it + 1 < iters) { load_q(it + 1); }
+                    if (has_next) { load_q(next_head, next_m_block, 0); }
                     cp_async_fence();
                 }
+                head = next_head;
+                m_block = next_m_block;
             }
         };
         if (params.has_softcap || params.alibi_slopes != nullptr) {

@@ -67,10 +67,16 @@ struct XorSmemOperand {
             }
             return true;
         }());
+        return XorSmemOperand<Element, Swizzle_, decltype(take<0, 3>(Layout_{}))>{ptr + Layout_{}(0, 0, 0, i),
+                                                                                  opaque().base};
+    }
+
+    // The same operand with its base made opaque, taken inside a loop: the slice addresses are then derived there
+    // instead of being held across the loop.
+    __device__ __forceinline__ XorSmemOperand opaque() const {
         int opaque_base = base;
         asm volatile("" : "+r"(opaque_base));
-        return XorSmemOperand<Element, Swizzle_, decltype(take<0, 3>(Layout_{}))>{ptr + Layout_{}(0, 0, 0, i),
-                                                                                  opaque_base};
+        return {ptr, opaque_base};
     }
 };
 
