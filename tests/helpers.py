@@ -196,3 +196,10 @@ class SelfAttention(torch.nn.Module):
         q, k, v = self.qkv(x).view(b, s, self.h + 2 * self.hk, self.d).split([self.h, self.hk, self.hk], dim=2)
         out = flash_attn_func(q, k, v, causal=True, **self.flash_kwargs)
         return self.proj(out.reshape(b, s, self.h * self.d))
+
+
+def output_and_grads(module, params, x, dy):
+    """module(x) and the gradients of <module(x), dy> with respect to x and params (the module's parameters, also when
+    `module` is a compiled wrapper around it)."""
+    y = module(x)
+    return (y, *torch.autograd.grad(y, [x, *params], dy))

@@ -13,7 +13,7 @@ from torch._dynamo.backends.common import aot_autograd
 import flash_attention
 from flash_attention import _checks, _ops, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from flash_attention.interface import normalize_window, pad_head_dim
-from helpers import SelfAttention
+from helpers import SelfAttention, output_and_grads
 from reference import attention_mask, attention_ref
 
 fp16, bf16 = torch.float16, torch.bfloat16
@@ -518,14 +518,10 @@ def test_compile_traces_backward(standin_ops):
     x = rand(2, 5, 32, dtype=bf16).requires_grad_()
     dy = torch.randn_like(x)
 
-    def run(module):
-        y = module(x)
-        return (y, *torch.autograd.grad(y, [x, *model.parameters()], dy))
-
-    eager = run(model)
+    eager = output_and_grads(model, list(model.parameters()), x, dy)
     torch._dynamo.reset()
     backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
-    compiled = run(torch.compile(model, fullgraph=True, backend=backend))
+    compiled = output_and_grads(torch.compile(model, fullgraph=True, backend=backend), list(model.parameters()), x, dy)
     assert graphs["forward"].count("flash_attention.fwd.default") == 1
     assert graphs["backward"].count("flash_attention.bwd.default") == 1
     assert [call["deterministic"] for call in standin_ops["bwd"]] == [True, True]

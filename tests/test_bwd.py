@@ -11,7 +11,8 @@ import torch
 
 from flash_attention import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from helpers import (HEADS, SMEM_BUDGETS, Case, SelfAttention, assert_matches_reference, bf16, build_cases,
-                     case_kwargs, fp16, make_inputs, make_tensor, max_err, poison_allocator, require_kernel)
+                     case_kwargs, fp16, make_inputs, make_tensor, max_err, output_and_grads, poison_allocator,
+                     require_kernel)
 from reference import attention_mask, attention_ref
 
 pytestmark = pytest.mark.cuda
@@ -282,13 +283,9 @@ def test_torch_compile_fullgraph(backend):
     x = torch.randn(2, 300, 256, dtype=bf16, device="cuda", requires_grad=True)
     dy = torch.randn_like(x)
 
-    def run(module):
-        y = module(x)
-        return (y, *torch.autograd.grad(y, [x, *model.parameters()], dy))
-
-    eager = run(model)
+    eager = output_and_grads(model, list(model.parameters()), x, dy)
     torch._dynamo.reset()
-    compiled = run(torch.compile(model, fullgraph=True, backend=backend))
+    compiled = output_and_grads(torch.compile(model, fullgraph=True, backend=backend), list(model.parameters()), x, dy)
     for c, e in zip(compiled, eager):
         if backend == "aot_eager":
             assert torch.equal(c, e)
