@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         load_tile<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, sk - n_block * kBlockN,
                         d);
 
-        // Rows of Q or dO of iteration `it` into a shared tile; rows past sq are zero-filled.
+        // Rows of Q or dO of one (head, query tile) into a shared tile; rows past sq are zero-filled.
         auto load_rows = [&](void const* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride, int head,
                              int m_block, auto&& s) {
             Tensor g = local_tile(gmem_rows(base, batch_stride, head_stride, row_stride, head, sq),
@@ -149,8 +149,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
             load_rows(params.dout, params.do_batch_stride, params.do_head_stride, params.do_row_stride, head, m_block,
                       sdO);
         };
-        // Iterations walk (query head of the group, query tile) pairs, tiles fastest; the next pair is stepped to, not
-        // divided out, since the loop is short of integer issue slots.
+        // Iterations walk (query head of the group, query tile) pairs, tiles fastest. The next pair is stepped to rather
+        // than divided out of the iteration count: integer divisions in this loop cost measurable time.
         int head = head_kv * params.h_per_hk, m_block = m_range.lo;
         load_q(head, m_block, 0);
         load_do(head, m_block);

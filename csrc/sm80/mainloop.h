@@ -94,18 +94,6 @@ __device__ __forceinline__ auto make_xor_operand(ThrCopy const& thr_copy, SmemTe
         ptr, layout.layout_a()(t)};
 }
 
-// A plain CuTe partition (CPY, rows, k) of an smem operand, called as gemm_ss and gemm_rs call operands: s(i, k).
-template <class Partition>
-struct SmemOperand {
-    Partition part;
-    __device__ __forceinline__ auto operator()(int i, int k) const { return part(_, i, k); }
-};
-
-template <class Partition>
-__device__ __forceinline__ auto smem_operand(Partition const& part) {
-    return SmemOperand<Partition>{part};
-}
-
 // Copies k-slice k of an smem operand into its register view (rank 3: copy mode, rows, k).
 template <class Copy, class Operand, class RegView>
 __device__ __forceinline__ void load_k_slice(Copy const& copy_op, Operand const& s, RegView& r, int k) {
