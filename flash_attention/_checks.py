@@ -2,7 +2,8 @@
 
 import torch
 
-from ._ops import KERNEL_HEAD_DIMS, parse_tier_name
+from ._kernel_dims import KERNEL_HEAD_DIMS
+from ._ops import parse_tier_name
 
 _DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = KERNEL_HEAD_DIMS[-1]

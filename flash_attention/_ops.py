@@ -8,7 +8,7 @@ from typing import FrozenSet, Optional, Sequence, Tuple
 
 import torch
 
-from ._kernel_dims import KERNEL_HEAD_DIMS, kernel_head_dim
+from ._kernel_dims import kernel_head_dim
 
 TIER_IDS = {"sm80": 80, "sm90": 90, "sm100": 100}
 

@@ -37,7 +37,7 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
         raise NotImplementedError(f"dropout is not supported yet: dropout_p must be 0.0, got {dropout_p}")
     _checks.check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier)
 
-    b, seqlen_q, h, d = q.shape
+    seqlen_q, d = q.shape[1], q.shape[3]
     seqlen_k = k.shape[1]
     if softmax_scale is None:
         softmax_scale = d ** -0.5  # the original head dim, not the padded one
