@@ -1,10 +1,12 @@
 // Backward postprocess: the fp32 dQ workspace, scaled by the softmax scale, to dQ in the input dtype. One CTA per
-// (query tile, head, batch) reads the tile in the main kernel's fragment order, so it takes the same tile traits.
+// (query tile, head, batch) reads the tile in the main kernel's fragment order (dq_workspace_index), so it takes the
+// same tile traits.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "../common/params.h"
+#include "bwd_kernel.h"
 #include "epilogue.h"
 
 namespace flash::sm80 {
@@ -25,10 +27,16 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(__gri
 
     typename Traits::TiledMmadQ mma_dq;
     Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    float const* tile = params.dq_accum +
-                        ((int64_t(batch) * params.h + head) * params.sq_rounded + m_block * kBlockM) * kHeadDim + tid;
+    float const* tile =
+        params.dq_accum + ((int64_t(batch) * params.h + head) * params.sq_rounded + m_block * kBlockM) * kHeadDim;
     CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i) { acc(i) = tile[i * Traits::kNThreads] * params.softmax_scale; }
+    for (int i = 0; i < size(acc); i += 4) {
+        float4 const v = *reinterpret_cast<float4 const*>(tile + dq_workspace_index<Traits::kNThreads>(i, tid));
+        acc(i) = v.x * params.softmax_scale;
+        acc(i + 1) = v.y * params.softmax_scale;
+        acc(i + 2) = v.z * params.softmax_scale;
+        acc(i + 3) = v.w * params.softmax_scale;
+    }
 
     Tensor sdQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutdO{});
     Tensor mdQ = make_tensor(make_gmem_ptr(static_cast<Element*>(params.dq) + batch * params.dq_batch_stride +

@@ -52,6 +52,31 @@ struct DqOrder {
     }
 };
 
+// The dQ workspace holds each query tile as a run of kBlockM * kHeadDim floats in the dQ MMA's fragment order, four
+// consecutive fragment values per thread: a warp adds 512 contiguous bytes, with one 16-byte vector reduction per
+// thread on sm_90 and newer. bwd_convert_dq_kernel reads the same order.
+template <int kNThreads>
+__device__ __forceinline__ int dq_workspace_index(int i, int tid) {
+    return ((i / 4) * kNThreads + tid) * 4 + i % 4;
+}
+
+template <int kNThreads, class Frag>
+__device__ __forceinline__ void add_dq(float* tile, Frag const& acc, int tid) {
+    static_assert(decltype(size(acc))::value % 4 == 0);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 4) {
+        float* p = tile + dq_workspace_index<kNThreads>(i, tid);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(acc(i)), "f"(acc(i + 1)),
+                     "f"(acc(i + 2)), "f"(acc(i + 3))
+                     : "memory");
+#else
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) { atomicAdd(p + j, acc(i + j)); }
+#endif
+    }
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdParams const params) {
     using Element = typename Traits::Element;
@@ -272,10 +297,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                 Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
                 clear(acc_dq);
                 gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS.opaque(), tdQsKt.opaque(), copy_a_dq, copy_b_dq, tid);
-                // The workspace holds each query tile as a run of kBlockM * kHeadDim floats in fragment order, so the
-                // 32 lanes of a warp add into 128 contiguous bytes.
-                float* dq_tile = params.dq_accum +
-                                 ((int64_t(batch) * params.h + head) * params.sq_rounded + row0) * kHeadDim + tid;
+                float* dq_tile =
+                    params.dq_accum + ((int64_t(batch) * params.h + head) * params.sq_rounded + row0) * kHeadDim;
                 if (params.deterministic) {
                     Interval const n_range = Range::n_blocks(window, m_block);
                     DqOrder const order{params.dq_semaphore +
@@ -283,12 +306,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                                             m_block,
                                         reverse ? n_range.hi - 1 - n_block : n_block - n_range.lo};
                     order.acquire(tid);
-                    CUTE_UNROLL
-                    for (int i = 0; i < size(acc_dq); ++i) { atomicAdd(dq_tile + i * kNThreads, acc_dq(i)); }
+                    add_dq<kNThreads>(dq_tile, acc_dq, tid);
                     order.release(tid);
                 } else {
-                    CUTE_UNROLL
-                    for (int i = 0; i < size(acc_dq); ++i) { atomicAdd(dq_tile + i * kNThreads, acc_dq(i)); }
+                    add_dq<kNThreads>(dq_tile, acc_dq, tid);
                 }
 
                 gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt.opaque(), tdKsQt.stage(stage), copy_a_dkv, copy_b_dkv, tid);
