@@ -5,8 +5,9 @@ import re
 import sys
 from pathlib import Path
 
-ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'\s*\n[^\n]*Function properties[^\n]*\n\s*(\d+) bytes "
-                   r"stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads\s*\n[^\n]*Used (\d+) registers")
+ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'\s*\n[^\n]*Function properties[^\n]*\n"
+                   r"\s*(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads\s*\n"
+                   r"[^\n]*Used (\d+) registers")
 KERNEL = re.compile(r"\d([a-z_]+_kernel)I")
 TRAITS = re.compile(r"(Fwd|Bwd)TraitsI((?:Li\d+E)+)")
 

@@ -174,8 +174,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
             load_rows(params.dout, params.do_batch_stride, params.do_head_stride, params.do_row_stride, head, m_block,
                       sdO);
         };
-        // Iterations walk (query head of the group, query tile) pairs, tiles fastest. The next pair is stepped to rather
-        // than divided out of the iteration count: integer divisions in this loop cost measurable time.
+        // Iterations walk (query head of the group, query tile) pairs, tiles fastest. The next pair is stepped to
+        // rather than divided out of the iteration count: integer divisions in this loop cost measurable time.
         int head = head_kv * params.h_per_hk, m_block = m_range.lo;
         load_q(head, m_block, 0);
         load_do(head, m_block);
@@ -217,7 +217,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         Tensor tPsP = thr_pds.partition_D(sP);
         Tensor tdSsdS = thr_pds.partition_D(sdS);
 
-        Tensor coord_s_rc = rowcol_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+        Tensor coord_s_rc =
+            rowcol_view(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
         constexpr int kRows = decltype(size<0>(coord_s_rc))::value;
         int const col0 = n_block * kBlockN;
 
@@ -288,7 +289,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                 copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_dp)), tdSsdS);
                 __syncthreads();
 
-                gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt.opaque(), tdVsdOt.opaque(), copy_a_dkv, copy_b_dkv, tid);
+                gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt.opaque(), tdVsdOt.opaque(), copy_a_dkv, copy_b_dkv,
+                        tid);
                 // Every warp is done with dO: the next tile's dO loads under dQ and dK.
                 __syncthreads();
                 if (has_next) { load_do(next_head, next_m_block); }
@@ -312,7 +314,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                     add_dq<kNThreads>(dq_tile, acc_dq, tid);
                 }
 
-                gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt.opaque(), tdKsQt.stage(stage), copy_a_dkv, copy_b_dkv, tid);
+                gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt.opaque(), tdKsQt.stage(stage), copy_a_dkv,
+                        copy_b_dkv, tid);
                 if constexpr (kQStages == 1) {
                     // Every warp is done with Q.
                     __syncthreads();

@@ -12,7 +12,8 @@ namespace flash::sm80 {
 constexpr int kPreprocessWarps = 8;
 
 template <typename Element>
-__global__ void __launch_bounds__(kPreprocessWarps * 32) bwd_preprocess_kernel(__grid_constant__ BwdParams const params) {
+__global__ void __launch_bounds__(kPreprocessWarps * 32)
+    bwd_preprocess_kernel(__grid_constant__ BwdParams const params) {
     int64_t const row_id = int64_t(blockIdx.x) * kPreprocessWarps + threadIdx.x / 32;  // (batch, row, head)
     int const lane = threadIdx.x % 32;
     if (row_id >= int64_t(params.b) * params.sq * params.h) { return; }

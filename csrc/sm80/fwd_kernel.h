@@ -173,7 +173,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                         apply_alibi(s_rc, coord_s_rc, row0, col0, window.diag_offset(), alibi_slope);
                     }
                 }
-                if (Range::needs_mask(window, blk.m_block, n_block)) { apply_mask(s_rc, coord_s_rc, window, row0, col0); }
+                if (Range::needs_mask(window, blk.m_block, n_block)) {
+                    apply_mask(s_rc, coord_s_rc, window, row0, col0);
+                }
                 softmax.update(s_rc, acc_o_rc, params.scale_log2);
 
                 Tensor rP = convert_fragment<Element>(acc_s);

@@ -128,8 +128,8 @@ struct BwdTraits : TileBase<kHeadDim_, kNWarps_, Element_> {
     using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
     using SmemLayoutdO = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    using SmemLayoutPdS =
-        decltype(tile_to_shape(typename Base::template SmemLayoutAtomFor<kBlockN>{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    using SmemLayoutPdS = decltype(tile_to_shape(typename Base::template SmemLayoutAtomFor<kBlockN>{},
+                                                 Shape<Int<kBlockM>, Int<kBlockN>>{}));
     // Transposed views over the same bytes: Q^T and dO^T (d, M) are the B operands of dK and dV, K^T (d, N) that of
     // dQ, P^T and dS^T (N, M) the A operands of dV and dK.
     using SmemLayoutQt = decltype(transposed_view(SmemLayoutQ{}));
