@@ -1,5 +1,8 @@
 """Input validation, done in Python before any kernel runs so that errors name the argument at fault."""
 
+import operator
+from typing import Tuple
+
 import torch
 
 from ._kernel_dims import KERNEL_HEAD_DIMS
@@ -53,11 +56,6 @@ def check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier) -> None:
             f"the number of query heads ({h}) must be a multiple of the number of key/value heads ({hk}) "
             "(GQA/MQA: each group of query heads shares one key/value head)"
         )
-    for name, t in tensors:
-        if t.stride(-1) != 1:
-            raise ValueError(
-                f"{name} must be contiguous in the last dimension (stride(-1) == 1), got strides {t.stride()}"
-            )
 
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, torch.Tensor):
@@ -70,18 +68,37 @@ def check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier) -> None:
                 f"got {tuple(alibi_slopes.shape)}"
             )
 
-    if not (
-        isinstance(window_size, (tuple, list))
-        and len(window_size) == 2
-        and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
-    ):
-        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    window_pair(window_size)
     if not isinstance(softcap, (int, float)) or not softcap >= 0:
         raise ValueError(f"softcap must be a number >= 0 (0 disables it), got {softcap!r}")
     if tier is not None:
         parse_tier_name(tier)
 
     check_device([q, k, v] + ([alibi_slopes] if alibi_slopes is not None else []))
+
+
+def _as_int(w):
+    """An integer-like window bound as a Python int (Python and numpy ints, 0-d integer tensors), else None."""
+    if isinstance(w, bool):
+        return None
+    if isinstance(w, torch.Tensor):
+        if w.dim() != 0 or w.dtype == torch.bool or w.is_floating_point() or w.is_complex():
+            return None
+        return int(w.item())
+    try:
+        return operator.index(w)
+    except TypeError:
+        return None
+
+
+def window_pair(window_size) -> Tuple[int, int]:
+    """window_size as two Python ints >= -1, accepting what flash-attn accepts: any pair of integer-likes."""
+    bounds = [_as_int(w) for w in window_size] if isinstance(window_size, (tuple, list)) else []
+    if len(bounds) != 2 or any(w is None or w < -1 for w in bounds):
+        raise ValueError(
+            f"window_size must be a pair of integers >= -1 (-1 = unbounded), got {window_size!r}"
+        )
+    return bounds[0], bounds[1]
 
 
 def check_device(tensors) -> None:

@@ -36,12 +36,14 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     if dropout_p > 0.0:
         raise NotImplementedError(f"dropout is not supported yet: dropout_p must be 0.0, got {dropout_p}")
     _checks.check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier)
+    # The kernels read rows of the head dim as 16-byte vectors: a strided last dimension is copied, as flash-attn does.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
 
     seqlen_q, d = q.shape[1], q.shape[3]
     seqlen_k = k.shape[1]
     if softmax_scale is None:
         softmax_scale = d ** -0.5  # the original head dim, not the padded one
-    window_left, window_right = normalize_window(window_size, causal, seqlen_q, seqlen_k)
+    window_left, window_right = normalize_window(_checks.window_pair(window_size), causal, seqlen_q, seqlen_k)
     out, lse = _ops.fwd(
         pad_head_dim(q),
         pad_head_dim(k),
@@ -77,7 +79,7 @@ def flash_attn_func(
     """Exact attention, differentiable with respect to q, k and v.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim), fp16 or bf16 on CUDA,
-    nheads % nheads_k == 0 (GQA/MQA), head_dim <= 256, last dimension contiguous.
+    nheads % nheads_k == 0 (GQA/MQA), head_dim <= 256; a last dimension that is not contiguous is copied.
     Query i sees key j iff i + seqlen_k - seqlen_q - window_size[0] <= j <= i + seqlen_k - seqlen_q + window_size[1]
     (-1 = unbounded side); causal=True sets the right bound to 0 (bottom-right aligned).
     softcap > 0 applies softcap * tanh(score / softcap); alibi_slopes (fp32, (nheads,) or (batch, nheads)) adds
