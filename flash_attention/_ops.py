@@ -126,10 +126,11 @@ def resolve_tier(device: torch.device, tier: Optional[str], head_dim: int, dtype
 
 
 def kernel_operand(t: torch.Tensor) -> torch.Tensor:
-    """The kernel loads 16-byte vectors: every stride but the last must be a multiple of 8 elements and the base
-    pointer 16-byte aligned. Otherwise copy; clone rather than .contiguous(), which keeps a misaligned view that
+    """The kernel loads 16-byte vectors: the last dimension must be contiguous, every other stride a multiple of 8
+    elements and the base pointer 16-byte aligned. Otherwise copy (autograd hands the gradient of out.sum() over as a
+    broadcast view with stride 0 everywhere); clone rather than .contiguous(), which keeps a misaligned view that
     torch already considers contiguous."""
-    if t.data_ptr() % 16 or any(stride % 8 for stride in t.stride()[:-1]):
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(stride % 8 for stride in t.stride()[:-1]):
         return t.clone(memory_format=torch.contiguous_format)
     return t
 

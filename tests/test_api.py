@@ -232,12 +232,14 @@ def misaligned(*shape):
         pytest.param(lambda: misaligned(2, 5, 4, 16), id="misaligned-base"),
         pytest.param(lambda: rand(2, 5, 4, 12)[..., :8], id="row-stride-12"),
         pytest.param(lambda: rand(2, 5, 4, 16).as_strided((1, 5, 4, 16), (3, 64, 16, 1)), id="size1-dim-stride-3"),
+        pytest.param(lambda: torch.ones((), dtype=fp16).expand(2, 5, 4, 16), id="broadcast-grad-of-sum"),
+        pytest.param(lambda: rand(2, 5, 4, 32)[..., ::2], id="last-dim-stride-2"),
     ],
 )
 def test_kernel_operand_copies_bad_views(make):
     x = make()
     y = _ops.kernel_operand(x)
-    assert y.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in y.stride()[:-1])
+    assert y.stride(-1) == 1 and y.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in y.stride()[:-1])
     assert torch.equal(x, y)
 
 

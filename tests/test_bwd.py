@@ -245,6 +245,24 @@ def test_empty_sequences(b, sq, sk):
         assert not x.grad.any()
 
 
+def test_loss_sum_backward():
+    """out.sum().backward(): autograd hands dout over as a broadcast view (stride 0 everywhere), which the op copies;
+    the gradients equal those of an explicit all-ones dout, bit for bit in deterministic mode."""
+    require_kernel(64, bf16, "bwd")
+    q, k, v, _ = make_inputs(Case(bf16, 64, 113, 203, heads="gqa"))
+    grads = []
+    for explicit_dout in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=True, deterministic=True)
+        if explicit_dout:
+            out.backward(torch.ones_like(out))
+        else:
+            out.sum().backward()
+        grads.append([t.grad for t in leaves])
+    for name, g, g_ones in zip(("dq", "dk", "dv"), *grads):
+        assert torch.isfinite(g).all() and torch.equal(g, g_ones), name
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
 def test_deterministic(d, causal):
