@@ -1,31 +1,62 @@
-// Maps a flat block index to the tile a CTA owns. A flat grid has no 65535 limit on heads or batch.
+// Maps a flat block index to the tile a CTA owns, for batched and varlen calls alike. Tiles are numbered batch-major,
+// then head, then block (fastest), so the CTAs running together share one head's operands in L2. A flat grid has no
+// 65535 limit on heads or batch.
 #pragma once
+
+#include <cstdint>
+
+#include "seqlen.h"
 
 namespace flash {
 
-struct BlockCoord {
-    int m_block, head, batch;
+struct TileCoord {
+    int block, head, batch;
+    bool valid;  // false for the grid's spare CTAs (varlen) and tiles past seqused
 };
 
-// Forward: (m block, head, batch). m blocks are handed out last-first: under a causal mask the last rows do the most
-// work, so they start in the first wave.
-__device__ __forceinline__ BlockCoord decode_block(int idx, int num_m_blocks, int num_heads) {
-    int const m_rev = idx % num_m_blocks;
-    int const bh = idx / num_m_blocks;
-    return {num_m_blocks - 1 - m_rev, bh % num_heads, bh / num_heads};
+// Host: the grid's tiles per head. Batched it is exact. Varlen it is an upper bound that needs no device sync: the
+// sequences' ceil(len / block) sum to at most (total + b * (block - 1)) / block.
+inline int64_t tile_count(int rows, int b, int block, bool varlen) {
+    return varlen ? (int64_t(rows) + int64_t(b) * (block - 1)) / block : int64_t(b) * ((rows + block - 1) / block);
 }
 
-struct BwdBlockCoord {
-    int n_block, head_kv, batch;
-};
-
-// Backward: (key block, kv head, batch), key blocks fastest so that the CTAs of one head share Q, dO and dQ in L2.
-// Under a causal mask the first key blocks see the most query tiles, so ascending order starts the longest first;
-// `reverse` hands them out last-first instead (the deterministic dQ order needs launch order = accumulation order).
-__device__ __forceinline__ BwdBlockCoord decode_bwd_block(int idx, int num_n_blocks, int num_heads_kv, bool reverse) {
-    int const n = idx % num_n_blocks;
-    int const bh = idx / num_n_blocks;
-    return {reverse ? num_n_blocks - 1 - n : n, bh % num_heads_kv, bh / num_heads_kv};
+// Tile idx of blocks of kBlock rows (queries in the forward, keys in the backward), `reverse` handing each
+// sequence's blocks out last-first. Batched this is two divisions. Varlen, each warp scans the sequences' tile counts
+// 32 at a time with a warp prefix sum (no workspace, no extra launch); every warp reaches the same answer.
+template <int kBlock>
+__device__ __forceinline__ TileCoord decode_tile(int idx, int const* cu_seqlens, int const* seqused, int rows,
+                                                 int batches, int heads, bool reverse) {
+    if (cu_seqlens == nullptr) {
+        int const num_blocks = (rows + kBlock - 1) / kBlock;
+        int const blk = idx % num_blocks;
+        int const bh = idx / num_blocks;
+        TileCoord t{reverse ? num_blocks - 1 - blk : blk, bh % heads, bh / heads, true};
+        if (seqused != nullptr) { t.valid = t.block * kBlock < seq_rows(nullptr, seqused, rows, t.batch).len; }
+        return t;
+    }
+    constexpr unsigned kAll = 0xffffffffu;
+    int const lane = threadIdx.x % 32;
+    int64_t first = 0;  // index of the first tile of sequence b0
+    for (int b0 = 0; b0 < batches; b0 += 32) {
+        int const b = b0 + lane;
+        int const blocks = b < batches ? (seq_rows(cu_seqlens, seqused, rows, b).len + kBlock - 1) / kBlock : 0;
+        int64_t end = int64_t(blocks) * heads;  // inclusive prefix sum over the lanes: end of sequence b's tiles
+        CUTE_UNROLL
+        for (int offset = 1; offset < 32; offset *= 2) {
+            int64_t const x = __shfl_up_sync(kAll, end, offset);
+            if (lane >= offset) { end += x; }
+        }
+        unsigned const hit = __ballot_sync(kAll, first + end > idx);
+        if (hit != 0) {
+            int const l = __ffs(hit) - 1;
+            int const n = __shfl_sync(kAll, blocks, l);
+            int const local = int(idx - (first + __shfl_sync(kAll, end, l) - int64_t(n) * heads));
+            int const blk = local % n;
+            return {reverse ? n - 1 - blk : blk, local / n, b0 + l, true};
+        }
+        first += __shfl_sync(kAll, end, 31);
+    }
+    return {0, 0, 0, false};
 }
 
 // blockIdx.x and threadIdx.x read through volatile asm. The epilogue re-derives its coordinates from these after the

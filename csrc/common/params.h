@@ -1,5 +1,10 @@
 // Arguments of one attention call, shared by every architecture tier: what both directions read (AttnParams), and
 // what each direction adds. Strides are in elements; the last dimension is always contiguous.
+//
+// Batched: tensors are (b, sq or sk, heads, d). Varlen: cu_seqlens_q / cu_seqlens_k are set, tensors are packed
+// (total rows, heads, d) with batch strides 0, sq / sk hold the total rows, and sequence i is rows
+// [cu_seqlens[i], cu_seqlens[i + 1]). seqused (either layout) keeps the first seqused[i] rows of sequence i.
+// common/seqlen.h resolves one sequence's rows from these.
 #pragma once
 
 #include <cstdint>
@@ -16,8 +21,16 @@ struct AttnParams {
     int64_t k_batch_stride, k_row_stride, k_head_stride;
     int64_t v_batch_stride, v_row_stride, v_head_stride;
     int64_t alibi_batch_stride;
+    // lse (forward output, backward input), dlse and D index [batch * lse_batch_stride + head * lse_head_stride + row],
+    // row counted from the first row of the tensor's batch entry: (b, h, sq) batched, (h, total_q) varlen.
+    int64_t lse_batch_stride, lse_head_stride;
 
-    int b, h, hk, sq, sk;
+    int const* __restrict__ cu_seqlens_q;  // (b + 1), or nullptr when batched
+    int const* __restrict__ cu_seqlens_k;
+    int const* __restrict__ seqused_q;  // (b), or nullptr
+    int const* __restrict__ seqused_k;
+
+    int b, h, hk, sq, sk;  // b: sequences; sq, sk: rows per batch entry (batched) or total rows (varlen)
     int d;         // head dim of the tensors (a multiple of 8, <= the kernel's head dim)
     int h_per_hk;  // GQA group size
 
@@ -31,20 +44,23 @@ struct AttnParams {
     // -1 means unbounded. Query i sees key j iff i + sk - sq - left <= j <= i + sk - sq + right.
     int window_left, window_right;
 
-    int max_smem_per_block;  // opt-in shared memory of the device, to pick a tile that fits
+    // Host-side hints for choosing a tile: the device's opt-in shared memory per block, and the longest sequences
+    // (max_seqlen of a varlen call, sq / sk when batched). Kernels do not read them.
+    int max_smem_per_block;
+    int max_seqlen_q, max_seqlen_k;
 };
 
 struct FwdParams : AttnParams {
     void* __restrict__ o;
-    float* __restrict__ lse;  // (b, h, sq), contiguous
+    float* __restrict__ lse;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
 };
 
 struct BwdParams : AttnParams {
     void const* __restrict__ o;
     void const* __restrict__ dout;
-    float const* __restrict__ lse;   // (b, h, sq) from the forward
-    float const* __restrict__ dlse;  // (b, h, sq) gradient of the returned lse, or nullptr
+    float const* __restrict__ lse;   // from the forward
+    float const* __restrict__ dlse;  // gradient of the returned lse, or nullptr
     void* __restrict__ dq;
     void* __restrict__ dk;
     void* __restrict__ dv;
@@ -54,12 +70,14 @@ struct BwdParams : AttnParams {
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
 
-    // Workspace, per (b, h): dq_accum holds sq_rounded * kernel head dim fp32 (zeroed), dpsum sq floats, and
-    // dq_semaphore sq_rounded / 16 zeroed ints (deterministic only).
+    // Workspace. dq_accum: zeroed fp32, kernel head dim floats per row; a sequence's rows of one head start at row
+    // batch * dq_accum_batch_stride + head * dq_accum_head_stride (+ the sequence's padded start when varlen, see
+    // dq_accum_row), a multiple of kBwdRowAlign, so that every tile height divides it. dpsum: like lse.
+    // dq_semaphore: zeroed ints, one per 16 rows of dq_accum (deterministic only).
     float* __restrict__ dq_accum;
     float* __restrict__ dpsum;  // D = rowsum(dO * O) - dlse
     int* __restrict__ dq_semaphore;
-    int sq_rounded;  // sq rounded up to kBwdRowAlign, so that every tile height divides it
+    int64_t dq_accum_batch_stride, dq_accum_head_stride;  // in rows
     bool deterministic;
 };
 

@@ -1,5 +1,5 @@
 // Backward postprocess: the fp32 dQ workspace, scaled by the softmax scale, to dQ in the input dtype. One CTA per
-// (query tile, head, batch) reads the tile in the main kernel's fragment order (dq_workspace_index), so it takes the
+// (query tile, head, sequence) reads the tile in the main kernel's fragment order (dq_workspace_index), so it takes the
 // same tile traits.
 #pragma once
 
@@ -20,15 +20,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(__gri
     constexpr int kHeadDim = Traits::kHeadDim;
     extern __shared__ __align__(128) char smem[];
     int const tid = threadIdx.x;
-    int const num_m_blocks = (params.sq + kBlockM - 1) / kBlockM;
-    int const m_block = blockIdx.x % num_m_blocks;
-    int const bh = blockIdx.x / num_m_blocks;
-    int const head = bh % params.h, batch = bh / params.h;
+    TileCoord const blk =
+        decode_tile<kBlockM>(blockIdx.x, params.cu_seqlens_q, params.seqused_q, params.sq, params.b, params.h, false);
+    if (!blk.valid) { return; }
+    SeqlenInfo const seq(params, blk.batch);
+    int const m_block = blk.block, head = blk.head;
 
     typename Traits::TiledMmadQ mma_dq;
     Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    float const* tile =
-        params.dq_accum + ((int64_t(batch) * params.h + head) * params.sq_rounded + m_block * kBlockM) * kHeadDim;
+    float const* tile = params.dq_accum + (dq_accum_row(params, seq, head) + m_block * kBlockM) * kHeadDim;
     CUTE_UNROLL
     for (int i = 0; i < size(acc); i += 4) {
         float4 const v = *reinterpret_cast<float4 const*>(tile + dq_workspace_index<Traits::kNThreads>(i, tid));
@@ -39,11 +39,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(__gri
     }
 
     Tensor sdQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutdO{});
-    Tensor mdQ = make_tensor(make_gmem_ptr(static_cast<Element*>(params.dq) + batch * params.dq_batch_stride +
-                                           head * params.dq_head_stride),
-                             make_shape(params.sq, Int<kHeadDim>{}), make_stride(params.dq_row_stride, _1{}));
+    Tensor mdQ = make_tensor(make_gmem_ptr(static_cast<Element*>(params.dq) +
+                                           seq.q_offset(params.dq_batch_stride, params.dq_row_stride,
+                                                        params.dq_head_stride, head)),
+                             make_shape(seq.q.len, Int<kHeadDim>{}), make_stride(params.dq_row_stride, _1{}));
     Tensor gdQ = local_tile(mdQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-    store_tile<Traits>(mma_dq, acc, sdQ, gdQ, params.sq - m_block * kBlockM, params.d, tid);
+    store_tile<Traits>(mma_dq, acc, sdQ, gdQ, seq.q.len - m_block * kBlockM, params.d, tid);
 }
 
 }  // namespace flash::sm80

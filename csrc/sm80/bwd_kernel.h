@@ -17,6 +17,7 @@
 #include "../common/mask.h"
 #include "../common/params.h"
 #include "../common/score_mod.h"
+#include "../common/seqlen.h"
 #include "epilogue.h"
 #include "mainloop.h"
 
@@ -31,15 +32,17 @@ __device__ __forceinline__ int load_acquire(int const* p) {
 }
 
 // Deterministic dQ: the CTAs that add into one query tile's dQ do so one at a time, in launch order (ascending key
-// blocks, or descending when decode_bwd_block reverses them), counted by a semaphore per (batch, head, query tile).
-// A CTA only waits for CTAs launched before it, so the wait cannot deadlock.
+// blocks, or descending when decode_tile reverses them), counted by a semaphore per (batch, head, query tile).
+// A CTA only waits for CTAs launched before it, so the wait cannot deadlock. It waits for a count of at least its
+// rank rather than exactly: the same for valid input (the count cannot pass a rank before that CTA adds), and no
+// hang when malformed cu_seqlens make two sequences share semaphores.
 struct DqOrder {
     int* semaphore;
     int rank;
 
     __device__ __forceinline__ void acquire(int tid) const {
         if (tid == 0) {
-            while (load_acquire(semaphore) != rank) {}
+            while (load_acquire(semaphore) < rank) {}
         }
         __syncthreads();
     }
@@ -77,6 +80,16 @@ __device__ __forceinline__ void add_dq(float* tile, Frag const& acc, int tid) {
     }
 }
 
+// First dQ workspace row of (sequence, head). A varlen sequence starts at its first row plus kBwdRowAlign per earlier
+// sequence, rounded down to kBwdRowAlign: aligned, and past the previous sequence's rows rounded up to kBwdRowAlign.
+__device__ __forceinline__ int64_t dq_accum_row(BwdParams const& params, SeqlenInfo const& seq, int head) {
+    int64_t const start =
+        params.cu_seqlens_q == nullptr
+            ? 0
+            : (int64_t(seq.q.start) + int64_t(seq.batch) * kBwdRowAlign) / kBwdRowAlign * kBwdRowAlign;
+    return seq.batch * params.dq_accum_batch_stride + head * params.dq_accum_head_stride + start;
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdParams const params) {
     using Element = typename Traits::Element;
@@ -89,11 +102,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
     extern __shared__ __align__(128) char smem[];
     int const tid = threadIdx.x;
-    int const sq = params.sq, sk = params.sk, d = params.d;
-    AttnWindow const window{sq, sk, params.window_left, params.window_right};
+    // Under a causal mask the first key blocks see the most query tiles, so ascending order starts the longest first;
+    // the deterministic dQ order hands them out last-first instead (launch order = accumulation order).
     bool const reverse = params.deterministic && params.window_right >= 0;
-    BwdBlockCoord const blk = decode_bwd_block(blockIdx.x, (sk + kBlockN - 1) / kBlockN, params.hk, reverse);
-    int const n_block = blk.n_block, batch = blk.batch;
+    TileCoord const blk =
+        decode_tile<kBlockN>(blockIdx.x, params.cu_seqlens_k, params.seqused_k, params.sk, params.b, params.hk, reverse);
+    if (!blk.valid) { return; }
+    SeqlenInfo const seq(params, blk.batch);
+    int const sq = seq.q.len, sk = seq.k.len, d = params.d;
+    AttnWindow const window = seq.window(params);
+    int const n_block = blk.block, head_kv = blk.head, batch = blk.batch;
 
     Interval const m_range = Range::m_blocks(window, n_block);
     int const m_count = m_range.hi - m_range.lo;
@@ -124,18 +142,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     clear(acc_dv);
 
     if (iters > 0) {
-        int const head_kv = blk.head_kv;
-        auto gmem_rows = [&](void const* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride, int head,
-                             int rows) {
-            return make_tensor(make_gmem_ptr(static_cast<Element const*>(base) + batch * batch_stride +
-                                             head * head_stride),
+        auto gmem_rows = [&](void const* base, int64_t offset, int64_t row_stride, int rows) {
+            return make_tensor(make_gmem_ptr(static_cast<Element const*>(base) + offset),
                                make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
         };
-        Tensor gK = local_tile(gmem_rows(params.k, params.k_batch_stride, params.k_head_stride, params.k_row_stride,
-                                         head_kv, sk),
+        Tensor gK = local_tile(gmem_rows(params.k,
+                                         seq.k_offset(params.k_batch_stride, params.k_row_stride,
+                                                      params.k_head_stride, head_kv),
+                                         params.k_row_stride, sk),
                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
-        Tensor gV = local_tile(gmem_rows(params.v, params.v_batch_stride, params.v_head_stride, params.v_row_stride,
-                                         head_kv, sk),
+        Tensor gV = local_tile(gmem_rows(params.v,
+                                         seq.k_offset(params.v_batch_stride, params.v_row_stride,
+                                                      params.v_head_stride, head_kv),
+                                         params.v_row_stride, sk),
                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
 
         typename Traits::GmemTiledCopyQKV gmem_copy;
@@ -150,7 +169,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         // Rows of Q or dO of one (head, query tile) into a shared tile; rows past sq are zero-filled.
         auto load_rows = [&](void const* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride, int head,
                              int m_block, auto&& s) {
-            Tensor g = local_tile(gmem_rows(base, batch_stride, head_stride, row_stride, head, sq),
+            Tensor g = local_tile(gmem_rows(base, seq.q_offset(batch_stride, row_stride, head_stride, head), row_stride,
+                                            sq),
                                   Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
             load_tile<true>(gmem_copy, gmem_thr.partition_S(g), gmem_thr.partition_D(s), tQcQ, sq - m_block * kBlockM,
                             d);
@@ -163,7 +183,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
             load_rows(params.q, params.q_batch_stride, params.q_head_stride, params.q_row_stride, head, m_block,
                       sQ(_, _, stage));
             int const row = m_block * kBlockM + tid % kBlockM;
-            int64_t const idx = (int64_t(batch) * params.h + head) * sq + min(row, sq - 1);
+            int64_t const idx = seq.row_stats_index(params, head) + min(row, sq - 1);
             if (tid < 2 * kBlockM) {
                 float const* src = tid < kBlockM ? params.lse + idx : params.dpsum + idx;
                 float* dst = (tid < kBlockM ? s_lse : s_dpsum) + stage * kBlockM + tid % kBlockM;
@@ -299,13 +319,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                 Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
                 clear(acc_dq);
                 gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS.opaque(), tdQsKt.opaque(), copy_a_dq, copy_b_dq, tid);
-                float* dq_tile =
-                    params.dq_accum + ((int64_t(batch) * params.h + head) * params.sq_rounded + row0) * kHeadDim;
+                int64_t const dq_row = dq_accum_row(params, seq, head) + row0;
+                float* dq_tile = params.dq_accum + dq_row * kHeadDim;
                 if (params.deterministic) {
                     Interval const n_range = Range::n_blocks(window, m_block);
-                    DqOrder const order{params.dq_semaphore +
-                                            (int64_t(batch) * params.h + head) * (params.sq_rounded / kBlockM) +
-                                            m_block,
+                    DqOrder const order{params.dq_semaphore + dq_row / kBlockM,
                                         reverse ? n_range.hi - 1 - n_block : n_block - n_range.lo};
                     order.acquire(tid);
                     add_dq<kNThreads>(dq_tile, acc_dq, tid);
@@ -337,8 +355,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
     auto gmem_out = [&](void* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride) {
-        Tensor m = make_tensor(make_gmem_ptr(static_cast<Element*>(base) + batch * batch_stride +
-                                             blk.head_kv * head_stride),
+        Tensor m = make_tensor(make_gmem_ptr(static_cast<Element*>(base) +
+                                             seq.k_offset(batch_stride, row_stride, head_stride, head_kv)),
                                make_shape(sk, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
         return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
     };

@@ -8,6 +8,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "../common/block_scheduler.h"
 #include "../common/params.h"
 #include "bwd_convert_dq.h"
 #include "bwd_kernel.h"
@@ -20,12 +21,11 @@ namespace flash::sm80 {
 template <class Traits>
 cudaError_t launch_bwd(BwdParams const& params, cudaStream_t stream) {
     using Element = typename Traits::Element;
-    int64_t const rows = int64_t(params.b) * params.sq * params.h;
-    int64_t const num_n_blocks = (params.sk + Traits::kBlockN - 1) / Traits::kBlockN;
-    int64_t const num_m_blocks = (params.sq + Traits::kBlockM - 1) / Traits::kBlockM;
+    bool const varlen = params.cu_seqlens_q != nullptr;
+    int64_t const rows = int64_t(tensor_batches(params)) * params.sq * params.h;
     int64_t const pre_blocks = (rows + kPreprocessWarps - 1) / kPreprocessWarps;
-    int64_t const main_blocks = num_n_blocks * params.hk * params.b;
-    int64_t const convert_blocks = num_m_blocks * params.h * params.b;
+    int64_t const main_blocks = tile_count(params.sk, params.b, Traits::kBlockN, varlen) * params.hk;
+    int64_t const convert_blocks = tile_count(params.sq, params.b, Traits::kBlockM, varlen) * params.h;
     if (pre_blocks > INT_MAX || main_blocks > INT_MAX || convert_blocks > INT_MAX) {
         return cudaErrorInvalidConfiguration;
     }

@@ -1,5 +1,6 @@
-// Backward preprocess: D = rowsum(dO * O) - dlse per (batch, head, query row), in fp32. One warp per row, 16-byte
-// loads (a head dim of up to 256 is one load per lane).
+// Backward preprocess: D = rowsum(dO * O) - dlse per (batch entry, head, query row), in fp32. One warp per row,
+// 16-byte loads (a head dim of up to 256 is one load per lane). It walks the tensors' rows, which need no sequence
+// lookup: a varlen call is one batch entry of total rows (D of rows outside every sequence is never read).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -11,12 +12,17 @@ namespace flash::sm80 {
 
 constexpr int kPreprocessWarps = 8;
 
+// Batch entries of the tensors: one when varlen (packed rows).
+__host__ __device__ __forceinline__ int tensor_batches(AttnParams const& params) {
+    return params.cu_seqlens_q == nullptr ? params.b : 1;
+}
+
 template <typename Element>
 __global__ void __launch_bounds__(kPreprocessWarps * 32)
     bwd_preprocess_kernel(__grid_constant__ BwdParams const params) {
     int64_t const row_id = int64_t(blockIdx.x) * kPreprocessWarps + threadIdx.x / 32;  // (batch, row, head)
     int const lane = threadIdx.x % 32;
-    if (row_id >= int64_t(params.b) * params.sq * params.h) { return; }
+    if (row_id >= int64_t(tensor_batches(params)) * params.sq * params.h) { return; }
     int const head = int(row_id % params.h);
     int64_t const batch_row = row_id / params.h;
     int const row = int(batch_row % params.sq);
@@ -38,7 +44,7 @@ __global__ void __launch_bounds__(kPreprocessWarps * 32)
     CUTE_UNROLL
     for (int offset = 16; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, offset); }
     if (lane == 0) {
-        int64_t const idx = (int64_t(batch) * params.h + head) * params.sq + row;
+        int64_t const idx = batch * params.lse_batch_stride + head * params.lse_head_stride + row;
         params.dpsum[idx] = params.dlse == nullptr ? sum : sum - params.dlse[idx];
     }
 }

@@ -6,6 +6,7 @@
 #include <cute/tensor.hpp>
 
 #include "../common/params.h"
+#include "../common/seqlen.h"
 #include "mainloop.h"
 
 namespace flash::sm80 {
@@ -45,8 +46,8 @@ __device__ __forceinline__ void store_tile(TiledMma const& tiled_mma, Acc const&
 // The forward's normalised output and its lse (one lane per row).
 template <class Traits, class TiledMma, class AccO, int kRows>
 __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO const& acc_o, float const (&lse)[kRows],
-                                             char* smem, FwdParams const& params, int m_block, int head, int batch,
-                                             int tid) {
+                                             char* smem, FwdParams const& params, SeqlenInfo const& seq, int m_block,
+                                             int head, int tid) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kHeadDim = Traits::kHeadDim;
@@ -55,20 +56,21 @@ __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO con
     Tensor coord_rc = rowcol_view(
         tiled_mma.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
     if (get<1>(coord_rc(0, 0)) == 0) {  // the first lane of each quad holds column 0 of its rows
-        float* lse_row = params.lse + (int64_t(batch) * params.h + head) * params.sq + row0;
+        float* lse_row = params.lse + seq.row_stats_index(params, head) + row0;
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             int const row = get<0>(coord_rc(r, 0));
-            if (row0 + row < params.sq) { lse_row[row] = lse[r]; }
+            if (row0 + row < seq.q.len) { lse_row[row] = lse[r]; }
         }
     }
 
     Tensor sO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
-    Tensor mO = make_tensor(
-        make_gmem_ptr(static_cast<Element*>(params.o) + batch * params.o_batch_stride + head * params.o_head_stride),
-        make_shape(params.sq, Int<kHeadDim>{}), make_stride(params.o_row_stride, _1{}));
+    Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(params.o) +
+                                          seq.q_offset(params.o_batch_stride, params.o_row_stride,
+                                                       params.o_head_stride, head)),
+                            make_shape(seq.q.len, Int<kHeadDim>{}), make_stride(params.o_row_stride, _1{}));
     Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-    store_tile<Traits>(tiled_mma, acc_o, sO, gO, params.sq - row0, params.d, tid);
+    store_tile<Traits>(tiled_mma, acc_o, sO, gO, seq.q.len - row0, params.d, tid);
 }
 
 }  // namespace flash::sm80

@@ -20,6 +20,7 @@
 #include "../common/mask.h"
 #include "../common/params.h"
 #include "../common/score_mod.h"
+#include "../common/seqlen.h"
 #include "../common/softmax.h"
 #include "epilogue.h"
 #include "mainloop.h"
@@ -41,15 +42,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     extern __shared__ __align__(128) char smem[];
     int const tid = threadIdx.x;
 
-    int const num_m_blocks = (params.sq + kBlockM - 1) / kBlockM;
-    BlockCoord const blk = decode_block(blockIdx.x, num_m_blocks, params.h);
+    // Query tiles are handed out last-first: under a causal mask the last rows do the most work, so they start in the
+    // first wave.
+    auto const decode = [&](int idx) {
+        return decode_tile<kBlockM>(idx, params.cu_seqlens_q, params.seqused_q, params.sq, params.b, params.h, true);
+    };
+    TileCoord const blk = decode(blockIdx.x);
+    if (!blk.valid) { return; }
+    SeqlenInfo const seq(params, blk.batch);
     int const head_kv = blk.head / params.h_per_hk;
-    int const sq = params.sq, sk = params.sk, d = params.d;
-    AttnWindow const window{sq, sk, params.window_left, params.window_right};
-    int const row0 = blk.m_block * kBlockM;
+    int const sq = seq.q.len, sk = seq.k.len, d = params.d;
+    AttnWindow const window = seq.window(params);
+    int const m_block = blk.block;
+    int const row0 = m_block * kBlockM;
 
     using Range = BlockRange<kBlockM, kBlockN>;
-    Interval const n_range = Range::n_blocks(window, blk.m_block);
+    Interval const n_range = Range::n_blocks(window, m_block);
     int const n_blocks = n_range.hi - n_range.lo;
     int const n_block_max = n_range.hi;
 
@@ -64,15 +72,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
     if (n_blocks > 0) {
         Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.q) +
-                                              blk.batch * params.q_batch_stride + blk.head * params.q_head_stride),
+                                              seq.q_offset(params.q_batch_stride, params.q_row_stride,
+                                                           params.q_head_stride, blk.head)),
                                 make_shape(sq, Int<kHeadDim>{}), make_stride(params.q_row_stride, _1{}));
         Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.k) +
-                                              blk.batch * params.k_batch_stride + head_kv * params.k_head_stride),
+                                              seq.k_offset(params.k_batch_stride, params.k_row_stride,
+                                                           params.k_head_stride, head_kv)),
                                 make_shape(sk, Int<kHeadDim>{}), make_stride(params.k_row_stride, _1{}));
         Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.v) +
-                                              blk.batch * params.v_batch_stride + head_kv * params.v_head_stride),
+                                              seq.k_offset(params.v_batch_stride, params.v_row_stride,
+                                                           params.v_head_stride, head_kv)),
                                 make_shape(sk, Int<kHeadDim>{}), make_stride(params.v_row_stride, _1{}));
-        Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(blk.m_block, 0));
+        Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
         Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n_block)
         Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
 
@@ -173,7 +184,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                         apply_alibi(s_rc, coord_s_rc, row0, col0, window.diag_offset(), alibi_slope);
                     }
                 }
-                if (Range::needs_mask(window, blk.m_block, n_block)) {
+                if (Range::needs_mask(window, m_block, n_block)) {
                     apply_mask(s_rc, coord_s_rc, window, row0, col0);
                 }
                 softmax.update(s_rc, acc_o_rc, params.scale_log2);
@@ -193,9 +204,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
     float lse[kRows];
     softmax.finalize(acc_o_rc, params.logit_scale, lse);
-    BlockCoord const out_blk = decode_block(block_index_reread(), (params.sq + kBlockM - 1) / kBlockM, params.h);
-    store_output<Traits>(tiled_mma, acc_o, lse, smem, params, out_blk.m_block, out_blk.head, out_blk.batch,
-                         thread_index_reread());
+    TileCoord const out_blk = decode(block_index_reread());
+    store_output<Traits>(tiled_mma, acc_o, lse, smem, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
+                         out_blk.head, thread_index_reread());
 }
 
 }  // namespace flash::sm80

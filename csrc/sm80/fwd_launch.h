@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "../common/block_range.h"
+#include "../common/block_scheduler.h"
 #include "../common/params.h"
 #include "fwd_kernel.h"
 #include "launch_util.h"
@@ -21,31 +22,28 @@ cudaError_t launch_fwd(FwdParams const& params, cudaStream_t stream) {
     auto kernel = &fwd_kernel<Traits>;
     constexpr int kSmem = Traits::kSmemBytes;
     if (cudaError_t err = allow_smem(kernel, kSmem); err != cudaSuccess) { return err; }
-    int64_t const num_m_blocks = (params.sq + Traits::kBlockM - 1) / Traits::kBlockM;
-    int64_t const num_blocks = num_m_blocks * params.h * params.b;
+    int64_t const num_blocks =
+        tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) * params.h;
     if (num_blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
     kernel<<<dim3(unsigned(num_blocks)), Traits::kNThreads, kSmem, stream>>>(params);
     return cudaGetLastError();
 }
 
-// Mean number of keys that a tile of block_m query rows visits, after the causal / local window.
-inline int64_t mean_keys_per_tile(FwdParams const& params, int block_m) {
-    int const num_tiles = (params.sq + block_m - 1) / block_m;
-    int64_t keys = 0;
-    AttnWindow const window{params.sq, params.sk, params.window_left, params.window_right};
-    for (int m = 0; m < num_tiles; ++m) {
-        Interval const r = window.keys_of_rows(m * block_m, std::min(params.sq, (m + 1) * block_m) - 1);
-        keys += r.hi - r.lo;
-    }
-    return num_tiles > 0 ? keys / num_tiles : 0;
+// Keys that the query tile of block_m rows in the middle of the longest sequence visits: the mean over the tiles
+// under any causal or local window (the visible range moves linearly along the diagonal), with no loop over tiles.
+inline int keys_of_middle_tile(FwdParams const& params, int block_m) {
+    AttnWindow const window{params.max_seqlen_q, params.max_seqlen_k, params.window_left, params.window_right};
+    int const r0 = std::max(0, params.max_seqlen_q / 2 - block_m / 2);
+    Interval const keys = window.keys_of_rows(r0, std::min(params.max_seqlen_q, r0 + block_m) - 1);
+    return keys.hi - keys.lo;
 }
 
-// Large head dims: a 64-row tile when two of its CTAs fit one SM and the query tiles are short (mean visible keys of
-// a 128-row tile up to 2k), else the first of Larger..., Small that fits. With two CTAs per SM, one CTA's prologue and
+// Large head dims: a 64-row tile when two of its CTAs fit one SM and the query tiles are short (a 128-row tile sees
+// up to 2k keys), else the first of Larger..., Small that fits. With two CTAs per SM, one CTA's prologue and
 // epilogue overlap the other's key loop; on long tiles the larger tile's fewer K/V reads per query win instead.
 template <class Small, class... Larger>
 cudaError_t launch_by_tile_length(FwdParams const& params, cudaStream_t stream) {
-    if (ctas_per_sm<Small>(params) >= 2 && mean_keys_per_tile(params, 128) <= 2048) {
+    if (ctas_per_sm<Small>(params) >= 2 && keys_of_middle_tile(params, 128) <= 2048) {
         return launch_fwd<Small>(params, stream);
     }
     return launch_first_fitting<Larger..., Small>(params, [&](auto traits) {

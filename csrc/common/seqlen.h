@@ -1,0 +1,60 @@
+// The one place where a sequence's rows are resolved, for batched and varlen calls alike (see params.h): the
+// schedulers count tiles with seq_rows, and the kernels address their operands through SeqlenInfo.
+#pragma once
+
+#include <cstdint>
+
+#include "block_range.h"
+#include "params.h"
+
+namespace flash {
+
+struct SeqRows {
+    int start;  // first row in the tensor's batch entry (0 when batched)
+    int len;
+};
+
+// Rows of sequence b in a tensor of `rows` rows per batch entry. cu_seqlens values are clamped to the tensor, so
+// malformed ones (which the host cannot check without a device sync) cannot reach outside it.
+__device__ __forceinline__ SeqRows seq_rows(int const* cu_seqlens, int const* seqused, int rows, int b) {
+    int start = 0, end = rows;
+    if (cu_seqlens != nullptr) {
+        start = min(max(cu_seqlens[b], 0), rows);
+        end = min(max(cu_seqlens[b + 1], start), rows);
+    }
+    int len = end - start;
+    if (seqused != nullptr) { len = min(len, max(seqused[b], 0)); }
+    return {start, len};
+}
+
+struct SeqlenInfo {
+    int batch;
+    SeqRows q, k;
+
+    __device__ __forceinline__ SeqlenInfo(AttnParams const& p, int b)
+        : batch(b),
+          q(seq_rows(p.cu_seqlens_q, p.seqused_q, p.sq, b)),
+          k(seq_rows(p.cu_seqlens_k, p.seqused_k, p.sk, b)) {}
+
+    // Masks align bottom-right per sequence.
+    __device__ __forceinline__ AttnWindow window(AttnParams const& p) const {
+        return {q.len, k.len, p.window_left, p.window_right};
+    }
+
+    // Element offset of (row 0 of this sequence, head) in a query-side or key-side tensor.
+    __device__ __forceinline__ int64_t q_offset(int64_t batch_stride, int64_t row_stride, int64_t head_stride,
+                                                int head) const {
+        return batch * batch_stride + int64_t(q.start) * row_stride + head * head_stride;
+    }
+    __device__ __forceinline__ int64_t k_offset(int64_t batch_stride, int64_t row_stride, int64_t head_stride,
+                                                int head) const {
+        return batch * batch_stride + int64_t(k.start) * row_stride + head * head_stride;
+    }
+
+    // Index of row 0 of this sequence in lse, dlse and D.
+    __device__ __forceinline__ int64_t row_stats_index(AttnParams const& p, int head) const {
+        return batch * p.lse_batch_stride + head * p.lse_head_stride + q.start;
+    }
+};
+
+}  // namespace flash
