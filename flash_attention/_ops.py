@@ -1,5 +1,6 @@
-"""The `flash_attention::fwd` and `flash_attention::bwd` custom ops (wired together for autograd), the compiled
-extension behind them, and tier selection."""
+"""The custom ops `flash_attention::fwd`/`bwd` (batched) and `flash_attention::varlen_fwd`/`varlen_bwd` (packed
+variable-length sequences), each pair wired together for autograd, the compiled extension behind them, and tier
+selection."""
 
 import functools
 import importlib
@@ -135,6 +136,65 @@ def kernel_operand(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _optional_contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.contiguous()
+
+
+def _buffer(shape, dtype: torch.dtype, device: torch.device, fill: Optional[float]) -> torch.Tensor:
+    """An output buffer: left uninitialized when the kernel writes all of it, else filled with `fill`."""
+    if fill is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+def _varlen_kwargs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k):
+    """The binding's keyword arguments that switch it to variable-length sequences."""
+    return dict(cu_seqlens_q=cu_seqlens_q.contiguous(), cu_seqlens_k=cu_seqlens_k.contiguous(),
+                seqused_q=_optional_contiguous(seqused_q), seqused_k=_optional_contiguous(seqused_k),
+                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def _attention_fwd(q, k, v, lse_shape, empty, prefill, score_args, tier, varlen) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the kernel, shared by the batched and the varlen op. score_args: (softmax_scale, window_left,
+    window_right, softcap, alibi_slopes); varlen: _varlen_kwargs, or {} for the batched binding. With nothing to
+    compute (`empty`: no query, key or sequence) every row is fully masked, out 0 and lse -inf, and no kernel runs;
+    `prefill` fills the outputs so too where the kernel leaves rows unwritten (past seqused_q)."""
+    out = _buffer(q.shape, q.dtype, q.device, 0.0 if empty or prefill else None)
+    lse = _buffer(lse_shape, torch.float32, q.device, float("-inf") if empty or prefill else None)
+    if empty:
+        return out, lse
+    ext = load_extension()
+    d = q.shape[-1]
+    tier_name = resolve_tier(q.device, tier, d, q.dtype, "fwd")
+    *scores, alibi_slopes = score_args
+    ext.fwd(kernel_operand(q), kernel_operand(k), kernel_operand(v), out, lse, *scores,
+            _optional_contiguous(alibi_slopes), kernel_head_dim(d), TIER_IDS[tier_name], **varlen)
+    return out, lse
+
+
+def _attention_bwd(dout, q, k, v, out, lse, dlse, empty, zero_dq, zero_dkv, score_args, deterministic, tier, varlen):
+    """(dq, dk, dv) of the kernel, shared by the batched and the varlen op; arguments as for _attention_fwd. Gradients
+    are zero with nothing to compute, and are zeroed first where the kernel leaves rows unwritten: dq past seqused_q
+    (zero_dq), dk and dv past seqused_k (zero_dkv)."""
+    dq = _buffer(q.shape, q.dtype, q.device, 0.0 if empty or zero_dq else None)
+    dk = _buffer(k.shape, k.dtype, k.device, 0.0 if empty or zero_dkv else None)
+    dv = _buffer(v.shape, v.dtype, v.device, 0.0 if empty or zero_dkv else None)
+    if empty:
+        return dq, dk, dv
+    ext = load_extension()
+    d = q.shape[-1]
+    tier_name = resolve_tier(q.device, tier, d, q.dtype, "bwd")
+    *scores, alibi_slopes = score_args
+    dout, q, k, v, out = (kernel_operand(t) for t in (dout, q, k, v, out))
+    ext.bwd(dout, q, k, v, out, lse.contiguous(), _optional_contiguous(dlse), dq, dk, dv, *scores,
+            _optional_contiguous(alibi_slopes), deterministic, kernel_head_dim(d), TIER_IDS[tier_name], **varlen)
+    return dq, dk, dv
+
+
+def _outputs_like(*tensors):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
+
+
 @torch.library.custom_op("flash_attention::fwd", mutates_args=())
 def fwd(
     q: torch.Tensor,
@@ -148,28 +208,18 @@ def fwd(
     deterministic: bool,
     tier: Optional[str],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Forward attention on validated inputs whose head dim is a multiple of 8. Returns (out, lse). With no query, key
-    or batch, every row is fully masked: out 0, lse -inf, and no kernel runs. `deterministic` is for the backward
-    (the forward is always deterministic): autograd hands it on to `bwd`."""
-    b, sq, h, d = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or k.shape[1] == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
-    ext = load_extension()
-    tier_name = resolve_tier(q.device, tier, d, q.dtype, "fwd")
-    q, k, v = kernel_operand(q), kernel_operand(k), kernel_operand(v)
-    if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.contiguous()
-    ext.fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes, kernel_head_dim(d),
-            TIER_IDS[tier_name])
-    return out, lse
+    """Forward attention on validated inputs q (b, sq, h, d), k/v (b, sk, hk, d) whose head dim is a multiple of 8.
+    Returns (out, lse (b, h, sq)). `deterministic` is for the backward (the forward is always deterministic):
+    autograd hands it on to `bwd`."""
+    b, sq, h, _ = q.shape
+    return _attention_fwd(q, k, v, (b, h, sq), q.numel() == 0 or k.numel() == 0, False,
+                          (softmax_scale, window_left, window_right, softcap, alibi_slopes), tier, {})
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+def _fwd_fake(q, *args):
     b, sq, h, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
+    return _outputs_like(q)[0], q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_attention::bwd", mutates_args=())
@@ -189,53 +239,115 @@ def bwd(
     deterministic: bool,
     tier: Optional[str],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of the forward's (out, lse) given dout and, when the caller used lse, dlse. With no query,
-    key or batch they are zero, and no kernel runs."""
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if dq.numel() == 0 or dk.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    ext = load_extension()
-    d = q.shape[-1]
-    tier_name = resolve_tier(q.device, tier, d, q.dtype, "bwd")
-    dout, q, k, v, out = (kernel_operand(t) for t in (dout, q, k, v, out))
-    if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.contiguous()
-    if dlse is not None:
-        dlse = dlse.contiguous()
-    ext.bwd(dout, q, k, v, out, lse.contiguous(), dlse, dq, dk, dv, softmax_scale, window_left, window_right, softcap,
-            alibi_slopes, deterministic, kernel_head_dim(d), TIER_IDS[tier_name])
-    return dq, dk, dv
+    """Gradients (dq, dk, dv) of fwd's (out, lse) given dout and, when the caller used lse, dlse."""
+    return _attention_bwd(dout, q, k, v, out, lse, dlse, q.numel() == 0 or k.numel() == 0, False, False,
+                          (softmax_scale, window_left, window_right, softcap, alibi_slopes), deterministic, tier, {})
+
+
+def _varlen_empty(q, k, cu_seqlens_q) -> bool:
+    return q.numel() == 0 or k.numel() == 0 or cu_seqlens_q.shape[0] <= 1
+
+
+@torch.library.custom_op("flash_attention::varlen_fwd", mutates_args=())
+def varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    seqused_q: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    tier: Optional[str],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fwd on the sequences packed in q (total_q, h, d) and k/v (total_k, hk, d): sequence i has query rows
+    [cu_seqlens_q[i], cu_seqlens_q[i + 1]) and key rows likewise from cu_seqlens_k, of which it uses the first
+    seqused_q[i] / seqused_k[i] when given. Returns (out, lse (h, total_q)); rows past seqused_q are fully masked
+    (out 0, lse -inf). max_seqlen_q/k only guide the kernel's tile choice."""
+    total_q, h, _ = q.shape
+    varlen = _varlen_kwargs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    return _attention_fwd(q, k, v, (h, total_q), _varlen_empty(q, k, cu_seqlens_q), seqused_q is not None,
+                          (softmax_scale, window_left, window_right, softcap, alibi_slopes), tier, varlen)
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, *args):
+    total_q, h, _ = q.shape
+    return _outputs_like(q)[0], q.new_empty((h, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_attention::varlen_bwd", mutates_args=())
+def varlen_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    seqused_q: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    tier: Optional[str],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of varlen_fwd's (out, lse); rows past seqused_q / seqused_k get zero gradients."""
+    varlen = _varlen_kwargs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    return _attention_bwd(dout, q, k, v, out, lse, dlse, _varlen_empty(q, k, cu_seqlens_q), seqused_q is not None,
+                          seqused_k is not None, (softmax_scale, window_left, window_right, softcap, alibi_slopes),
+                          deterministic, tier, varlen)
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-              deterministic, tier):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+def _bwd_fake(dout, q, k, v, *args):
+    return _outputs_like(q, k, v)
 
 
-def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+varlen_bwd.register_fake(_bwd_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    """Save what the backward op needs: q, k, v, (out, lse) and the forward's other arguments, which it takes in the
+    same order after dlse."""
+    q, k, v, *args = inputs
+    ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    ctx.save_for_backward(q, k, v, *output, *(args[i] for i in ctx.tensor_positions))
+    ctx.args = [None if i in ctx.tensor_positions else a for i, a in enumerate(args)]
     # An output the loss does not use then has gradient None, not zeros: an unused lse costs nothing.
     ctx.set_materialize_grads(False)
-    ctx.args = (softmax_scale, window_left, window_right, softcap, deterministic, tier)
 
 
-def _fwd_backward(ctx, grad_out, grad_lse):
-    """Gradients for q, k, v. The lse gradient, when the caller used lse, flows into dq and dk: d lse_i / d s_ij is
-    P_ij, which the kernel folds into D."""
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-    softmax_scale, window_left, window_right, softcap, deterministic, tier = ctx.args
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv = bwd(grad_out, q, k, v, out, lse, grad_lse, softmax_scale, window_left, window_right, softcap,
-                     alibi_slopes, deterministic, tier)
-    return dq, dk, dv, None, None, None, None, None, None, None
+def _backward_by(bwd_op):
+    def backward(ctx, grad_out, grad_lse):
+        """Gradients for q, k, v, and None for the other arguments (index tensors, ALiBi slopes, scalars). The lse
+        gradient, when the caller used lse, flows into dq and dk: d lse_i / d s_ij is P_ij, which the kernel folds
+        into D."""
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        args = list(ctx.args)
+        for i, t in zip(ctx.tensor_positions, tensors):
+            args[i] = t
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, grad_lse, *args)
+        return (dq, dk, dv) + (None,) * len(args)
+
+    return backward
 
 
-fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+fwd.register_autograd(_backward_by(bwd), setup_context=_setup_context)
+varlen_fwd.register_autograd(_backward_by(varlen_bwd), setup_context=_setup_context)
