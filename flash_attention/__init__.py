@@ -1,7 +1,23 @@
-"""Exact attention for PyTorch with CuTe C++ kernels; a drop-in for flash-attn 2.x's forward functions."""
+"""Exact attention for PyTorch with CuTe C++ kernels; a drop-in for flash-attn 2.x's functions, batched and
+variable-length. flash_attention.cute mirrors FlashAttention-4's flash_attn.cute."""
 
-from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "__version__"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "__version__",
+]

@@ -1,7 +1,8 @@
 """Input validation, done in Python before any kernel runs so that errors name the argument at fault."""
 
 import operator
-from typing import Tuple
+import os
+from typing import Optional, Tuple
 
 import torch
 
@@ -10,18 +11,19 @@ from ._ops import parse_tier_name
 
 _DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = KERNEL_HEAD_DIMS[-1]
+CHECK_VARLEN_ENV_VAR = "FLASH_ATTN_CHECK_VARLEN"
 
 
-def check_packed(t, name: str, count: int, layout: str) -> None:
+def check_packed(t, name: str, count: int, layout: str, rank: int = 5) -> None:
+    """A packed qkv/kv tensor of the given rank whose axis rank - 3 (the one before heads) has `count` entries."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 5 or t.shape[2] != count:
+    if t.dim() != rank or t.shape[rank - 3] != count:
         raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
 
 
-def check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier) -> None:
-    """Validate the arguments of flash_attn_func. The device is checked last so that every other check can be
-    exercised with CPU tensors."""
+def _check_qkv(q, k, v, layouts) -> None:
+    """Types, dtypes, ranks and head counts of q, k, v; layouts names each one's dims, as (q's, k/v's)."""
     tensors = (("q", q), ("k", k), ("v", v))
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -30,23 +32,19 @@ def check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier) -> None:
             raise TypeError(f"{name} must be torch.float16 or torch.bfloat16, got {t.dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
-    for name, t in tensors:
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have rank 4, (batch, seqlen, nheads, head_dim), got shape {tuple(t.shape)}"
-            )
-
-    b, _, h, d = q.shape
-    _, _, hk, _ = k.shape
+    rank = len(layouts[0])
+    for (name, t), layout in zip(tensors, (layouts[0], layouts[1], layouts[1])):
+        if t.dim() != rank:
+            raise ValueError(f"{name} must have rank {rank}, ({', '.join(layout)}), got shape {tuple(t.shape)}")
     if k.shape != v.shape:
         raise ValueError(
-            "k and v must have the same shape (batch, seqlen_k, nheads_k, head_dim), "
-            f"got k {tuple(k.shape)} and v {tuple(v.shape)}"
+            f"k and v must have the same shape ({', '.join(layouts[1])}), got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
-    if k.shape[0] != b:
-        raise ValueError(f"q and k/v must have the same batch size, got {b} and {k.shape[0]}")
-    if k.shape[3] != d:
-        raise ValueError(f"q, k and v must have the same head dim, got {d} for q and {k.shape[3]} for k/v")
+
+    h, d = q.shape[-2:]
+    hk, dk = k.shape[-2:]
+    if dk != d:
+        raise ValueError(f"q, k and v must have the same head dim, got {d} for q and {dk} for k/v")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
     if h < 1 or hk < 1:
@@ -57,27 +55,105 @@ def check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier) -> None:
             "(GQA/MQA: each group of query heads shares one key/value head)"
         )
 
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor):
-            raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
-        if alibi_slopes.dtype != torch.float32:
-            raise TypeError(f"alibi_slopes must be torch.float32, got {alibi_slopes.dtype}")
-        if tuple(alibi_slopes.shape) not in ((h,), (b, h)):
-            raise ValueError(
-                f"alibi_slopes must have shape (nheads,) = ({h},) or (batch, nheads) = ({b}, {h}), "
-                f"got {tuple(alibi_slopes.shape)}"
-            )
 
+def _check_alibi(alibi_slopes, b: int, h: int) -> None:
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be torch.float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((h,), (b, h)):
+        raise ValueError(
+            f"alibi_slopes must have shape (nheads,) = ({h},) or (batch, nheads) = ({b}, {h}), "
+            f"got {tuple(alibi_slopes.shape)}"
+        )
+
+
+def _check_options(window_size, softcap, tier) -> None:
     window_pair(window_size)
     if not isinstance(softcap, (int, float)) or not softcap >= 0:
         raise ValueError(f"softcap must be a number >= 0 (0 disables it), got {softcap!r}")
     if tier is not None:
         parse_tier_name(tier)
 
+
+def check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier) -> None:
+    """Validate the arguments of flash_attn_func. The device is checked last so that every other check can be
+    exercised with CPU tensors."""
+    _check_qkv(q, k, v, (("batch", "seqlen_q", "nheads", "head_dim"), ("batch", "seqlen_k", "nheads_k", "head_dim")))
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k/v must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    _check_alibi(alibi_slopes, q.shape[0], q.shape[2])
+    _check_options(window_size, softcap, tier)
     check_device([q, k, v] + ([alibi_slopes] if alibi_slopes is not None else []))
 
 
-def _as_int(w):
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                        window_size, softcap, alibi_slopes, tier) -> Tuple[int, int]:
+    """Validate the arguments of flash_attn_varlen_func; returns max_seqlen_q and max_seqlen_k as Python ints.
+
+    Only metadata is checked (types, dtypes, shapes, devices), never a tensor's values: reading them would wait for
+    the GPU. So these are not checked by default: that cu_seqlens_q/k start at 0, do not decrease and end at
+    total_q/total_k; that max_seqlen_q/k are at least every sequence's length; that seqused_q/k are between 0 and
+    their sequence's length. The kernels clamp such malformed values to the tensors' rows, so they cannot read or
+    write outside q, k, v or the outputs, but the numbers are then unspecified. FLASH_ATTN_CHECK_VARLEN=1 checks the
+    values too (check_varlen_values)."""
+    _check_qkv(q, k, v, (("total_q", "nheads", "head_dim"), ("total_k", "nheads_k", "head_dim")))
+    _check_index_tensor(cu_seqlens_q, "cu_seqlens_q", q.device)
+    _check_index_tensor(cu_seqlens_k, "cu_seqlens_k", q.device)
+    if len(cu_seqlens_q) < 1:
+        raise ValueError("cu_seqlens_q must have length batch + 1 >= 1, got length 0")
+    if len(cu_seqlens_k) != len(cu_seqlens_q):
+        raise ValueError(
+            "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
+            f"got {len(cu_seqlens_q)} and {len(cu_seqlens_k)}"
+        )
+    b = len(cu_seqlens_q) - 1
+    for name, seqused in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if seqused is not None:
+            _check_index_tensor(seqused, name, q.device)
+            if len(seqused) != b:
+                raise ValueError(f"{name} must have length batch = len(cu_seqlens_q) - 1 = {b}, got {len(seqused)}")
+    _check_alibi(alibi_slopes, b, q.shape[1])
+    _check_options(window_size, softcap, tier)
+    check_device([q, k, v] + ([alibi_slopes] if alibi_slopes is not None else []))
+    return _max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k")
+
+
+def _check_index_tensor(t, name: str, device: torch.device) -> None:
+    """cu_seqlens and seqused: 1-D contiguous int32 tensors on q's device, as the kernels index them."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be torch.int32, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+
+
+def _max_seqlen(value, name: str):
+    """max_seqlen as a Python int >= 0. A tensor is refused: its value would have to be read from the GPU. A symbolic
+    int (torch.compile) passes as is: it is only a tile-choice hint."""
+    if isinstance(value, torch.SymInt):
+        return value
+    n = None if isinstance(value, (bool, torch.Tensor)) else _index(value)
+    if n is None or n < 0:
+        raise ValueError(f"{name} must be a Python int >= 0 (not a tensor), got {value!r}")
+    return n
+
+
+def _index(x) -> Optional[int]:
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
+def as_int(w):
     """An integer-like window bound as a Python int (Python and numpy ints, 0-d integer tensors), else None."""
     if isinstance(w, bool):
         return None
@@ -85,15 +161,12 @@ def _as_int(w):
         if w.dim() != 0 or w.dtype == torch.bool or w.is_floating_point() or w.is_complex():
             return None
         return int(w.item())
-    try:
-        return operator.index(w)
-    except TypeError:
-        return None
+    return _index(w)
 
 
 def window_pair(window_size) -> Tuple[int, int]:
     """window_size as two Python ints >= -1, accepting what flash-attn accepts: any pair of integer-likes."""
-    bounds = [_as_int(w) for w in window_size] if isinstance(window_size, (tuple, list)) else []
+    bounds = [as_int(w) for w in window_size] if isinstance(window_size, (tuple, list)) else []
     if len(bounds) != 2 or any(w is None or w < -1 for w in bounds):
         raise ValueError(
             f"window_size must be a pair of integers >= -1 (-1 = unbounded), got {window_size!r}"
@@ -109,3 +182,51 @@ def check_device(tensors) -> None:
         )
     if device.type != "cuda":
         raise ValueError(f"q, k, v and alibi_slopes must be CUDA tensors, got device {device}")
+
+
+def varlen_values_check_requested() -> bool:
+    """FLASH_ATTN_CHECK_VARLEN=1 asks for check_varlen_values; never while torch.compile traces, where reading a
+    tensor's values would break the graph."""
+    return os.environ.get(CHECK_VARLEN_ENV_VAR) == "1" and not torch.compiler.is_compiling()
+
+
+def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k) -> None:
+    """The checks of the sequence tensors' values that check_varlen_inputs leaves out; waits for the GPU."""
+    for side, total, cu_seqlens, seqused, max_seqlen in (("q", q.shape[0], cu_seqlens_q, seqused_q, max_seqlen_q),
+                                                        ("k", k.shape[0], cu_seqlens_k, seqused_k, max_seqlen_k)):
+        lengths = _check_cu_seqlens(cu_seqlens.tolist(), f"cu_seqlens_{side}", total, f"total_{side}")
+        if seqused is not None:
+            lengths = _check_seqused(seqused.tolist(), f"seqused_{side}", lengths, f"cu_seqlens_{side}")
+        if lengths and max(lengths) > max_seqlen:
+            i = lengths.index(max(lengths))
+            raise ValueError(
+                f"{CHECK_VARLEN_ENV_VAR}: max_seqlen_{side} = {max_seqlen} is less than the length of sequence {i}, "
+                f"{lengths[i]}; it must be at least every sequence's length"
+            )
+
+
+def _check_cu_seqlens(cu, name: str, total: int, total_name: str):
+    """The sequence lengths that cu describes, once it is checked to run from 0 to total without decreasing."""
+    if cu[0] != 0:
+        raise ValueError(f"{CHECK_VARLEN_ENV_VAR}: {name} must start at 0, got {name}[0] = {cu[0]}")
+    lengths = [end - start for start, end in zip(cu, cu[1:])]
+    if any(n < 0 for n in lengths):
+        i = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(
+            f"{CHECK_VARLEN_ENV_VAR}: {name} must not decrease, got {name}[{i + 1}] = {cu[i + 1]} < "
+            f"{name}[{i}] = {cu[i]}"
+        )
+    if cu[-1] != total:
+        raise ValueError(f"{CHECK_VARLEN_ENV_VAR}: {name} must end at {total_name} = {total}, got {cu[-1]}")
+    return lengths
+
+
+def _check_seqused(seqused, name: str, lengths, cu_name: str):
+    """The used lengths, once each is checked to lie between 0 and its sequence's length."""
+    for i, (used, n) in enumerate(zip(seqused, lengths)):
+        if not 0 <= used <= n:
+            raise ValueError(
+                f"{CHECK_VARLEN_ENV_VAR}: {name}[{i}] = {used} must be between 0 and the length of sequence {i} in "
+                f"{cu_name}, {n}"
+            )
+    return seqused

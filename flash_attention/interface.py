@@ -30,35 +30,51 @@ def pad_head_dim(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, pad)) if pad else t
 
 
-def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, tier):
+def _check_dropout(dropout_p) -> None:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p > 0.0:
         raise NotImplementedError(f"dropout is not supported yet: dropout_p must be 0.0, got {dropout_p}")
-    _checks.check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier)
+
+
+def _attention(op, q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes, deterministic, tier):
+    """op (fwd or varlen_fwd) on validated q, k, v, with the head dim zero-padded to a multiple of 8 and the padding
+    sliced off the output; `sequences` are varlen_fwd's sequence arguments, () for fwd. Returns (out, lse)."""
     # The kernels read rows of the head dim as 16-byte vectors: a strided last dimension is copied, as flash-attn does.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-
-    seqlen_q, d = q.shape[1], q.shape[3]
-    seqlen_k = k.shape[1]
+    d = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = d ** -0.5  # the original head dim, not the padded one
-    window_left, window_right = normalize_window(_checks.window_pair(window_size), causal, seqlen_q, seqlen_k)
-    out, lse = _ops.fwd(
-        pad_head_dim(q),
-        pad_head_dim(k),
-        pad_head_dim(v),
-        float(softmax_scale),
-        window_left,
-        window_right,
-        float(softcap),
-        alibi_slopes,
-        bool(deterministic),
-        tier,
-    )
-    if out.shape[-1] != d:
-        out = out[..., :d]
-    return out, lse
+    out, lse = op(pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), *sequences, float(softmax_scale), *window,
+                  float(softcap), alibi_slopes, bool(deterministic), tier)
+    return (out if out.shape[-1] == d else out[..., :d]), lse
+
+
+def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, tier):
+    _check_dropout(dropout_p)
+    _checks.check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier)
+    window = normalize_window(_checks.window_pair(window_size), causal, q.shape[1], k.shape[1])
+    return _attention(_ops.fwd, q, k, v, (), softmax_scale, window, softcap, alibi_slopes, deterministic, tier)
+
+
+def _varlen_forward(q, k, v, sequences, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                    deterministic, tier):
+    """_forward for packed sequences; `sequences`: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+    max_seqlen_k)."""
+    _check_dropout(dropout_p)
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k = sequences
+    max_seqlen_q, max_seqlen_k = _checks.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                                             seqused_k, max_seqlen_q, max_seqlen_k, window_size,
+                                                             softcap, alibi_slopes, tier)
+    if _checks.varlen_values_check_requested():
+        _checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                    max_seqlen_k)
+    # A bound may be dropped only where no sequence needs it: the totals bound every sequence's length, while
+    # max_seqlen is a hint that the kernels do not trust.
+    window = normalize_window(_checks.window_pair(window_size), causal, q.shape[0], k.shape[0])
+    sequences = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    return _attention(_ops.varlen_fwd, q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes,
+                      deterministic, tier)
 
 
 def flash_attn_func(
@@ -137,4 +153,103 @@ def flash_attn_kvpacked_func(
     k, v = kv.unbind(dim=2)
     out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                         tier)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    seqused_q=None,
+    seqused_k=None,
+    tier: Optional[str] = None,
+):
+    """flash_attn_func on a batch of sequences of different lengths, packed along the first dim.
+
+    q: (total_q, nheads, head_dim); k, v: (total_k, nheads_k, head_dim). Sequence i has the query rows
+    [cu_seqlens_q[i], cu_seqlens_q[i + 1]) and the key/value rows [cu_seqlens_k[i], cu_seqlens_k[i + 1]);
+    cu_seqlens_q/k: int32 (batch + 1,), from 0 to total_q/total_k, on q's device. max_seqlen_q/k (Python ints): at
+    least the longest query/key sequence; only a hint for the kernel's tiles. seqused_q/seqused_k (int32 (batch,),
+    as in FlashAttention-3): sequence i uses only the first seqused[i] rows of its slot; the query rows past it get
+    out 0, lse -inf and zero gradients, the key rows past it zero gradients. Masks, softcap and ALiBi apply within
+    each sequence, aligned bottom-right with its (used) lengths; alibi_slopes: (nheads,) or (batch, nheads).
+    The sequence tensors' values are not checked (it would wait for the GPU; see _checks.check_varlen_inputs);
+    FLASH_ATTN_CHECK_VARLEN=1 checks them. block_table (paged KV cache) is not supported yet.
+
+    Returns out (total_q, nheads, head_dim), or (out, softmax_lse, None) when return_attn_probs, with softmax_lse
+    fp32 (nheads, total_q).
+    """
+    if block_table is not None:
+        raise NotImplementedError("block_table (a paged KV cache) is not supported yet: it must be None")
+    sequences = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    out, lse = _varlen_forward(q, k, v, sequences, dropout_p, softmax_scale, causal, window_size, softcap,
+                               alibi_slopes, deterministic, tier)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    seqused=None,
+    tier: Optional[str] = None,
+):
+    """flash_attn_varlen_func on qkv (total, 3, nheads, head_dim), whose queries and keys share cu_seqlens,
+    max_seqlen and seqused; q, k and v are strided views, not copies."""
+    _checks.check_packed(qkv, "qkv", 3, "(total, 3, nheads, head_dim)", rank=4)
+    q, k, v = qkv.unbind(dim=1)
+    out, lse = _varlen_forward(q, k, v, (cu_seqlens, cu_seqlens, seqused, seqused, max_seqlen, max_seqlen), dropout_p,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, tier)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    seqused_q=None,
+    seqused_k=None,
+    tier: Optional[str] = None,
+):
+    """flash_attn_varlen_func on q and kv (total_k, 2, nheads_k, head_dim); k and v are strided views of kv."""
+    _checks.check_packed(kv, "kv", 2, "(total_k, 2, nheads_k, head_dim)", rank=4)
+    k, v = kv.unbind(dim=1)
+    sequences = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    out, lse = _varlen_forward(q, k, v, sequences, dropout_p, softmax_scale, causal, window_size, softcap,
+                               alibi_slopes, deterministic, tier)
     return (out, lse, None) if return_attn_probs else out
