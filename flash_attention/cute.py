@@ -1,0 +1,201 @@
+"""FlashAttention-4's Python API (flash_attn.cute, as of its release fa4-v4.0.0.beta27) on this package's kernels, so
+that code written against it switches by changing the import:
+
+    from flash_attention.cute import flash_attn_func, flash_attn_varlen_func
+
+The parameters have FA4's names, order and defaults, and the functions return FA4's (out, lse). Where they differ:
+- Features that change the result and that the kernels lack raise NotImplementedError when set: qv (MLA),
+  gather_kv_indices, page_table, learnable_sink, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
+  block_sparse_tensors, block_sparse_tensors_bwd; so does a negative window bound, which FA4 keeps as a window that
+  leaves out the diagonal.
+- Performance hints, which do not change the result, are accepted and ignored: num_splits, pack_gqa, min_seqlen_k,
+  scheduler_metadata, seqlen_k_per_split, disable_scheduler_metadata.
+- A keyword-only tier= picks the kernel tier, as in flash_attention.flash_attn_func.
+Both run on the same custom ops as flash_attention's functions.
+"""
+
+from typing import Optional
+
+import torch
+
+from . import _checks
+from .interface import _forward, _varlen_forward
+
+_NO_DROPOUT = 0.0
+_NO_ALIBI = None
+
+
+def _reject_unsupported(**features) -> None:
+    for name, value in features.items():
+        if value is not None and not (isinstance(value, (list, tuple)) and not value):
+            raise NotImplementedError(
+                f"flash_attention.cute: {name} is not supported by this package's kernels; it must be None"
+            )
+
+
+def _window(window_size, causal: bool):
+    """FA4's window_size as this package's: resolved as FA4 resolves it (causal sets the right bound to 0; a pair
+    summing below 0, such as flash-attn 2's (-1, -1), means no window), then None becomes -1 (unbounded)."""
+    pair = window_size if isinstance(window_size, (tuple, list)) else ()
+    bounds = [None if w is None else _checks.as_int(w) for w in pair]
+    if len(bounds) != 2 or any(b is None and w is not None for b, w in zip(bounds, pair)):
+        raise ValueError(f"window_size must be a pair of integers or None (None = unbounded), got {window_size!r}")
+    left, right = bounds
+    if causal:
+        right = 0
+    if left is not None and right is not None and left + right < 0:
+        left = right = None
+    for i, bound in enumerate((left, right)):
+        if bound is not None and bound < 0:
+            raise NotImplementedError(
+                f"flash_attention.cute: window_size[{i}] = {bound} is not supported: a negative bound makes a window "
+                "that leaves out the diagonal; use None for an unbounded side"
+            )
+    return (-1 if left is None else left, -1 if right is None else right)
+
+
+def _returned_lse(lse, return_lse: bool, q, k, v) -> Optional[torch.Tensor]:
+    """lse as FA4 returns it: when asked for, differentiable; else, when an input requires grad (FA4 then computes lse
+    for the backward), without a gradient; else None."""
+    if return_lse:
+        return lse
+    return lse.detach() if any(t.requires_grad for t in (q, k, v)) else None
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qv: Optional[torch.Tensor] = None,
+    gather_kv_indices: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size=(None, None),
+    learnable_sink: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    deterministic: bool = False,
+    score_mod=None,
+    score_mod_bwd=None,
+    mask_mod=None,
+    aux_tensors=None,
+    aux_scalars=None,
+    block_sparse_tensors=None,
+    block_sparse_tensors_bwd=None,
+    return_lse: bool = False,
+    *,
+    tier: Optional[str] = None,
+):
+    """FA4's flash_attn_func: q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_k, head_dim).
+    window_size (left, right): None leaves a side unbounded. Returns (out, lse): out like q; lse fp32
+    (batch, nheads, seqlen_q), see _returned_lse. The rest as in flash_attention.flash_attn_func."""
+    _reject_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, learnable_sink=learnable_sink,
+                        score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                        aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors,
+                        block_sparse_tensors_bwd=block_sparse_tensors_bwd)
+    out, lse = _forward(q, k, v, _NO_DROPOUT, softmax_scale, causal, _window(window_size, causal), softcap, _NO_ALIBI,
+                        deterministic, tier)
+    return out, _returned_lse(lse, return_lse, q, k, v)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qv: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    min_seqlen_k: Optional[int] = None,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    gather_kv_indices: Optional[torch.Tensor] = None,
+    page_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size=(None, None),
+    learnable_sink: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    deterministic: bool = False,
+    score_mod=None,
+    score_mod_bwd=None,
+    mask_mod=None,
+    block_sparse_tensors=None,
+    aux_tensors=None,
+    aux_scalars=None,
+    return_lse: bool = False,
+    scheduler_metadata=None,
+    seqlen_k_per_split: Optional[int] = None,
+    disable_scheduler_metadata: bool = False,
+    *,
+    tier: Optional[str] = None,
+):
+    """FA4's flash_attn_varlen_func. Each side is packed, q (total_q, nheads, head_dim) with cu_seqlens_q (batch + 1,)
+    and k/v (total_k, nheads_k, head_dim) with cu_seqlens_k, or batched, (batch, seqlen, ...) with cu_seqlens None;
+    seqused_q/seqused_k (batch,) limit each sequence to its first rows. max_seqlen_q/k, a hint, default to the
+    longest a sequence can be. Returns (out, lse): out like q; lse fp32 (nheads, total_q) for a packed q,
+    (batch, nheads, seqlen_q) for a batched one (see _returned_lse). The rest as in
+    flash_attention.flash_attn_varlen_func."""
+    _reject_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, page_table=page_table,
+                        learnable_sink=learnable_sink, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
+                        mask_mod=mask_mod, block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors,
+                        aux_scalars=aux_scalars)
+    window = _window(window_size, causal)
+    if cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
+        out, lse = _forward(q, k, v, _NO_DROPOUT, softmax_scale, causal, window, softcap, _NO_ALIBI, deterministic,
+                            tier)
+    else:
+        out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                           (_NO_DROPOUT, softmax_scale, causal, window, softcap, _NO_ALIBI, deterministic, tier))
+    return out, _returned_lse(lse, return_lse, q, k, v)
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, options):
+    """The varlen op, with a batched side flattened into batch sequences of seqlen rows, and q's results back in
+    q's batched shape when it was batched. options: _varlen_forward's arguments after `sequences`."""
+    batched_q, batched_k = cu_seqlens_q is None, cu_seqlens_k is None
+    q_flat, cu_seqlens_q, max_seqlen_q = _packed(q, cu_seqlens_q, max_seqlen_q, "q", "cu_seqlens_q")
+    v_flat, _, _ = _packed(v, cu_seqlens_k, None, "v", "cu_seqlens_k")  # before k's call replaces cu_seqlens_k
+    k_flat, cu_seqlens_k, max_seqlen_k = _packed(k, cu_seqlens_k, max_seqlen_k, "k", "cu_seqlens_k")
+    _check_same_batch(batched_q, batched_k, cu_seqlens_q, cu_seqlens_k)
+    sequences = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    out, lse = _varlen_forward(q_flat, k_flat, v_flat, sequences, *options)
+    if not batched_q:
+        return out, lse
+    batch_seqlen = q.shape[:2]
+    return out.unflatten(0, batch_seqlen), lse.unflatten(1, batch_seqlen).transpose(0, 1)
+
+
+def _packed(x, cu_seqlens, max_seqlen, name: str, cu_name: str):
+    """(x, cu_seqlens, max_seqlen) for the varlen op. A side without cu_seqlens must be batched, (batch, seqlen, ...):
+    it is flattened (a view when the strides allow), with cu_seqlens 0, seqlen, 2 seqlen, ... (computed on the device,
+    no sync). A missing max_seqlen becomes the longest a sequence can be."""
+    if not isinstance(x, torch.Tensor):
+        return x, cu_seqlens, max_seqlen  # check_varlen_inputs names the argument
+    if cu_seqlens is not None:
+        return x, cu_seqlens, x.shape[0] if max_seqlen is None else max_seqlen
+    if x.dim() != 4:
+        raise ValueError(
+            f"{name} must have rank 4, (batch, seqlen, nheads, head_dim), when {cu_name} is None, "
+            f"got shape {tuple(x.shape)}"
+        )
+    b, seqlen = x.shape[:2]
+    cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=x.device) * seqlen
+    return x.flatten(0, 1), cu_seqlens, seqlen if max_seqlen is None else max_seqlen
+
+
+def _check_same_batch(batched_q: bool, batched_k: bool, cu_seqlens_q, cu_seqlens_k) -> None:
+    """With a side batched, its cu_seqlens is made here; a batch mismatch is reported in the caller's terms."""
+    if not (batched_q or batched_k) or not all(isinstance(cu, torch.Tensor) and cu.dim() == 1
+                                                   for cu in (cu_seqlens_q, cu_seqlens_k)):
+        return
+    bq, bk = len(cu_seqlens_q) - 1, len(cu_seqlens_k) - 1
+    if bq != bk:
+        source_q = "q.shape[0]" if batched_q else "len(cu_seqlens_q) - 1"
+        source_k = "k.shape[0]" if batched_k else "len(cu_seqlens_k) - 1"
+        raise ValueError(f"q and k must hold the same number of sequences, got {source_q} = {bq} and "
+                         f"{source_k} = {bk}")
