@@ -95,10 +95,10 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
 
     Only metadata is checked (types, dtypes, shapes, devices), never a tensor's values: reading them would wait for
     the GPU. So these are not checked by default: that cu_seqlens_q/k start at 0, do not decrease and end at
-    total_q/total_k; that max_seqlen_q/k are at least every sequence's length; that seqused_q/k are between 0 and
-    their sequence's length. The kernels clamp such malformed values to the tensors' rows, so they cannot read or
-    write outside q, k, v or the outputs, but the numbers are then unspecified. FLASH_ATTN_CHECK_VARLEN=1 checks the
-    values too (check_varlen_values)."""
+    total_q/total_k (or before, with seqused: the rows after it belong to no sequence); that max_seqlen_q/k are at
+    least every sequence's (used) length; that seqused_q/k are between 0 and their sequence's length. The kernels
+    clamp such malformed values to the tensors' rows, so they cannot read or write outside q, k, v or the outputs,
+    but the numbers are then unspecified. FLASH_ATTN_CHECK_VARLEN=1 checks the values too (check_varlen_values)."""
     _check_qkv(q, k, v, (("total_q", "nheads", "head_dim"), ("total_k", "nheads_k", "head_dim")))
     _check_index_tensor(cu_seqlens_q, "cu_seqlens_q", q.device)
     _check_index_tensor(cu_seqlens_k, "cu_seqlens_k", q.device)
@@ -115,10 +115,11 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
             _check_index_tensor(seqused, name, q.device)
             if len(seqused) != b:
                 raise ValueError(f"{name} must have length batch = len(cu_seqlens_q) - 1 = {b}, got {len(seqused)}")
+    max_seqlens = _max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k")
     _check_alibi(alibi_slopes, b, q.shape[1])
     _check_options(window_size, softcap, tier)
     check_device([q, k, v] + ([alibi_slopes] if alibi_slopes is not None else []))
-    return _max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k")
+    return max_seqlens
 
 
 def _check_index_tensor(t, name: str, device: torch.device) -> None:
@@ -194,7 +195,8 @@ def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     """The checks of the sequence tensors' values that check_varlen_inputs leaves out; waits for the GPU."""
     for side, total, cu_seqlens, seqused, max_seqlen in (("q", q.shape[0], cu_seqlens_q, seqused_q, max_seqlen_q),
                                                         ("k", k.shape[0], cu_seqlens_k, seqused_k, max_seqlen_k)):
-        lengths = _check_cu_seqlens(cu_seqlens.tolist(), f"cu_seqlens_{side}", total, f"total_{side}")
+        lengths = _check_cu_seqlens(cu_seqlens.tolist(), f"cu_seqlens_{side}", total, f"total_{side}",
+                                    seqused is not None)
         if seqused is not None:
             lengths = _check_seqused(seqused.tolist(), f"seqused_{side}", lengths, f"cu_seqlens_{side}")
         if lengths and max(lengths) > max_seqlen:
@@ -205,8 +207,9 @@ def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
             )
 
 
-def _check_cu_seqlens(cu, name: str, total: int, total_name: str):
-    """The sequence lengths that cu describes, once it is checked to run from 0 to total without decreasing."""
+def _check_cu_seqlens(cu, name: str, total: int, total_name: str, with_seqused: bool):
+    """The sequence lengths that cu describes, once it is checked to run from 0 to total without decreasing. With
+    seqused it may end before total: the rows after it then belong to no sequence and read as fully masked."""
     if cu[0] != 0:
         raise ValueError(f"{CHECK_VARLEN_ENV_VAR}: {name} must start at 0, got {name}[0] = {cu[0]}")
     lengths = [end - start for start, end in zip(cu, cu[1:])]
@@ -216,8 +219,12 @@ def _check_cu_seqlens(cu, name: str, total: int, total_name: str):
             f"{CHECK_VARLEN_ENV_VAR}: {name} must not decrease, got {name}[{i + 1}] = {cu[i + 1]} < "
             f"{name}[{i}] = {cu[i]}"
         )
-    if cu[-1] != total:
-        raise ValueError(f"{CHECK_VARLEN_ENV_VAR}: {name} must end at {total_name} = {total}, got {cu[-1]}")
+    if cu[-1] > total or (cu[-1] < total and not with_seqused):
+        seqused = name.replace("cu_seqlens", "seqused")
+        raise ValueError(
+            f"{CHECK_VARLEN_ENV_VAR}: {name} must end at {total_name} = {total} (or before it when {seqused} is "
+            f"given), got {name}[-1] = {cu[-1]}"
+        )
     return lengths
 
 
