@@ -184,11 +184,12 @@ def flash_attn_varlen_func(
     [cu_seqlens_q[i], cu_seqlens_q[i + 1]) and the key/value rows [cu_seqlens_k[i], cu_seqlens_k[i + 1]);
     cu_seqlens_q/k: int32 (batch + 1,), from 0 to total_q/total_k, on q's device. max_seqlen_q/k (Python ints): at
     least the longest query/key sequence; only a hint for the kernel's tiles. seqused_q/seqused_k (int32 (batch,),
-    as in FlashAttention-3): sequence i uses only the first seqused[i] rows of its slot; the query rows past it get
-    out 0, lse -inf and zero gradients, the key rows past it zero gradients. Masks, softcap and ALiBi apply within
-    each sequence, aligned bottom-right with its (used) lengths; alibi_slopes: (nheads,) or (batch, nheads).
-    The sequence tensors' values are not checked (it would wait for the GPU; see _checks.check_varlen_inputs);
-    FLASH_ATTN_CHECK_VARLEN=1 checks them. block_table (paged KV cache) is not supported yet.
+    as in FlashAttention-3): sequence i uses only the first seqused[i] rows of its slot; with seqused_q, every query
+    row outside the used ones (also rows after cu_seqlens_q[-1]) gets out 0, lse -inf and zero gradients; with
+    seqused_k, every key row outside them zero gradients. Masks, softcap and ALiBi apply within each sequence,
+    aligned bottom-right with its (used) lengths; alibi_slopes: (nheads,) or (batch, nheads). The sequence tensors'
+    values are not checked (it would wait for the GPU; see _checks.check_varlen_inputs); FLASH_ATTN_CHECK_VARLEN=1
+    checks them. block_table (paged KV cache) is not supported yet.
 
     Returns out (total_q, nheads, head_dim), or (out, softmax_lse, None) when return_attn_probs, with softmax_lse
     fp32 (nheads, total_q).
