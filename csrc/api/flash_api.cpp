@@ -85,7 +85,7 @@ int const* seq_tensor(std::optional<at::Tensor> const& t, char const* name, int6
 template <class Params>
 flash::Launcher<Params> find_launcher(at::Tensor const& q, int64_t kernel_head_dim, int64_t tier) {
     flash::DType const dt = q.scalar_type() == at::kHalf ? flash::DType::kFloat16 : flash::DType::kBFloat16;
-    TORCH_CHECK(q.size(3) <= kernel_head_dim, "flash_attention: head dim ", q.size(3), " exceeds kernel head dim ",
+    TORCH_CHECK(q.size(-1) <= kernel_head_dim, "flash_attention: head dim ", q.size(-1), " exceeds kernel head dim ",
                 kernel_head_dim);
     auto launcher = flash::KernelRegistry<Params>::find(int(tier), int(kernel_head_dim), dt);
     TORCH_CHECK(launcher != nullptr, "flash_attention: no sm", tier, " ", flash::Direction<Params>::kName,
