@@ -137,17 +137,17 @@ def _check_index_tensor(t, name: str, device: torch.device) -> None:
 
 
 def _max_seqlen(value, name: str):
-    """max_seqlen as a Python int >= 0. A tensor is refused: its value would have to be read from the GPU. A symbolic
-    int (torch.compile) passes as is: it is only a tile-choice hint."""
-    if isinstance(value, torch.SymInt):
-        return value
+    """max_seqlen as a Python int >= 0. A tensor is refused: its value would have to be read from the GPU. While
+    torch.compile traces, an int may be symbolic (from .item(), say) and is not compared: it is only a hint."""
     n = None if isinstance(value, (bool, torch.Tensor)) else _index(value)
-    if n is None or n < 0:
+    if n is None or (not torch.compiler.is_compiling() and n < 0):
         raise ValueError(f"{name} must be a Python int >= 0 (not a tensor), got {value!r}")
     return n
 
 
 def _index(x) -> Optional[int]:
+    if isinstance(x, int):  # also a symbolic int under torch.compile, which operator.index would specialize
+        return x
     try:
         return operator.index(x)
     except TypeError:
