@@ -121,6 +121,6 @@ def cuda_extension_setup():
 
 setup(
     name="flash-attention-cute",
-    packages=["flash_attention"],
+    packages=["flash_attention", "flash_attention.integrations"],
     **({} if SKIP_CUDA else cuda_extension_setup()),
 )
