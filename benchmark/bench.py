@@ -14,6 +14,23 @@ CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, flash-attn 2 (`flash_attn`) an
     python benchmark/bench.py --shape 1,4096,4096,32,8,128 --causal yes
     python benchmark/bench.py --mode bwd              # backward of ours and ours_det beside the peers' backward
     python benchmark/bench.py --mode fwdbwd --hdims 128 --seqlens 4096,16384
+
+Variable-length batches (--varlen [MIXES], with any --mode): 16k tokens (--tokens) packed as one varlen batch of
+self-attention sequences (seqlen_q = seqlen_k per sequence), head dims 64 and 128 by default, model dim 2048. Mixes:
+`uniform` (lengths uniform in 128..4096, seeded, until the tokens are used up), `diffusion` (one 12k sequence, then
+text-like sequences of 64..512 tokens), `equal` (4 x 4096: `ours_batched`, flash_attn_func on the same tokens viewed
+as (b, s, h, d), gives the varlen/batched ratio). Providers: ours (flash_attn_varlen_func; ours_det in the backward
+modes) and each peer's varlen path: SDPA on jagged nested tensors (torch.nested.nested_tensor_from_jagged, layout
+(b, h, j, d)) under its FLASH_ATTENTION (FlashAttention-2's varlen kernel through aten._flash_attention_forward with
+cu_seqlens), CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, flash-attn 2's and FlashAttention-4's
+flash_attn_varlen_func. FLOPs count the visible scores exactly: 4 * h * d * sum over sequences of the number of
+(query, key) pairs the mask lets through (sq * sk, or sq * (sq + 1) / 2 causal), for every provider alike; the
+backward modes 2.5x / 3.5x that. Accuracy is checked per sequence (the longest, the shortest and the last) against
+fp32 on the query heads of kv head 0.
+
+    python benchmark/bench.py --varlen                    # uniform, diffusion, equal; head dims 64, 128; both masks
+    python benchmark/bench.py --varlen --mode bwd --json varlen_bwd.json
+    python benchmark/bench.py --varlen equal,diffusion --hdims 128 --causal yes
 """
 
 import argparse
@@ -31,7 +48,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from flash_attention import flash_attn_func
+from flash_attention import flash_attn_func, flash_attn_varlen_func
 
 PEERS = ("sdpa_flash", "sdpa_cudnn", "sdpa_eff", "fa2", "fa4")
 # Peers that get an ours/peer column and summary: (provider, column label).
@@ -78,6 +95,219 @@ def make_provider(name, tier):
 
         return lambda q, k, v, causal: fa4_func(q, k, v, causal=causal)[0]  # FA4 returns (out, lse)
     raise ValueError(f"unknown provider {name!r}; known: ours, ours_det, {', '.join(PEERS)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Variable-length batches
+
+VARLEN_MIXES = ("uniform", "diffusion", "equal")
+# The varlen providers: ours, and each peer's varlen path (the peers' names, for --peers).
+VARLEN_EXTRA = ("ours_batched",)
+VARLEN_RATIOS = (("sdpa_flash", "flash"), ("sdpa_cudnn", "cudnn"), ("fa4", "fa4"), ("ours_batched", "batched"))
+
+
+def varlen_lengths(mix, tokens, seed=0):
+    """Sequence lengths of a named mix, summing to `tokens`."""
+    rng = random.Random(seed)
+    if mix == "equal":  # 4 sequences, as the batched mode's b = 4, s = 4096 at 16k tokens
+        if tokens % 4:
+            raise ValueError(f"the equal mix splits --tokens in 4, got {tokens}")
+        return [tokens // 4] * 4
+    if mix == "uniform":  # uniform in 128..4096; the last one takes the remainder (kept at 128 or more)
+        lengths, left = [], tokens
+        while left:
+            n = min(rng.randint(128, 4096), left)
+            if left - n < 128:
+                n = left
+            lengths.append(n)
+            left -= n
+        return lengths
+    if mix == "diffusion":  # one long (image/video) sequence of 3/4 of the tokens, then short text-like ones
+        long = tokens * 3 // 4
+        lengths, left = [long], tokens - long
+        while left:
+            n = min(rng.randint(64, 512), left)
+            if left - n < 64:
+                n = left
+            lengths.append(n)
+            left -= n
+        return lengths
+    raise ValueError(f"unknown mix {mix!r}; known: {', '.join(VARLEN_MIXES)}")
+
+
+def visible_pairs(sq, sk, causal):
+    """(query, key) pairs the mask lets through in one sequence (bottom-right causal alignment, as the kernels)."""
+    if not causal:
+        return sq * sk
+    # Query i sees keys 0 .. i + sk - sq (clipped to 0 .. sk - 1).
+    return sum(min(sk, max(0, i + sk - sq + 1)) for i in range(sq))
+
+
+def cumulative(lengths):
+    return [0, *itertools.accumulate(lengths)]
+
+
+def sdpa_jagged_binder(backend):
+    def bind(lengths):
+        offsets = torch.tensor(cumulative(lengths), dtype=torch.int64, device="cuda")  # NJT offsets are int64
+        lo, hi = min(lengths), max(lengths)
+
+        def jagged(x):  # (total, h, d) -> nested (b, j, h, d) over the same storage -> (b, h, j, d)
+            return torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=lo, max_seqlen=hi).transpose(1, 2)
+
+        def run(q, k, v, causal):
+            # Per sequence sq == sk, so SDPA's top-left is_causal is the bottom-right mask too.
+            with sdpa_kernel([backend]):
+                out = F.scaled_dot_product_attention(jagged(q), jagged(k), jagged(v), is_causal=causal)
+            return out.transpose(1, 2).values()
+
+        return run
+
+    return bind
+
+
+def make_varlen_binder(name, tier):
+    """A function lengths -> provider (q, k, v, causal) -> out on packed (total, h, d) tensors, sequences per
+    `lengths` (cu_seqlens built once, outside the timing); raises if the provider cannot be loaded."""
+    def with_cu(fn):
+        def bind(lengths):
+            cu = torch.tensor(cumulative(lengths), dtype=torch.int32, device="cuda")
+            return functools.partial(fn, cu=cu, max_len=max(lengths))
+        return bind
+
+    if name in ("ours", "ours_det"):
+        deterministic = name == "ours_det"
+        return with_cu(lambda q, k, v, causal, cu, max_len: flash_attn_varlen_func(
+            q, k, v, cu, cu, max_len, max_len, causal=causal, deterministic=deterministic, tier=tier))
+    if name == "ours_batched":
+        def bind(lengths):
+            if len(set(lengths)) != 1:
+                raise ValueError("ours_batched runs only on sequences of one length (the equal mix)")
+            b, s = len(lengths), lengths[0]
+            return lambda q, k, v, causal: flash_attn_func(
+                *(t.view(b, s, *t.shape[1:]) for t in (q, k, v)), causal=causal, tier=tier).view(q.shape)
+        return bind
+    if name in SDPA_BACKENDS:
+        return sdpa_jagged_binder(SDPA_BACKENDS[name])
+    if name == "fa2":
+        from flash_attn import flash_attn_varlen_func as fa2_varlen
+
+        return with_cu(lambda q, k, v, causal, cu, max_len: fa2_varlen(q, k, v, cu, cu, max_len, max_len,
+                                                                      causal=causal))
+    if name == "fa4":
+        from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+
+        def fa4(q, k, v, causal, cu, max_len):
+            # Keywords: FA4's 4th positional parameter is qv (MLA) in recent releases. It returns (out, lse).
+            result = fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                max_seqlen_k=max_len, causal=causal)
+            return result[0] if isinstance(result, tuple) else result
+
+        return with_cu(fa4)
+    raise ValueError(f"unknown provider {name!r}; known: ours, ours_det, ours_batched, {', '.join(PEERS)}")
+
+
+def varlen_reference(q, k, v, causal, lengths, dout=None):
+    """reference_subset of a few sequences (the longest, the shortest, the last): {sequence index: (rows, ref)}."""
+    cu = cumulative(lengths)
+    picks = sorted({max(range(len(lengths)), key=lengths.__getitem__),
+                    min(range(len(lengths)), key=lengths.__getitem__), len(lengths) - 1})
+    refs = {}
+    for i in picks:
+        rows = slice(cu[i], cu[i + 1])
+        refs[i] = rows, reference_subset(q[rows][None], k[rows][None], v[rows][None], causal,
+                                         None if dout is None else dout[rows][None])
+    return refs
+
+
+def varlen_relative_errors(results, refs):
+    """The worst relative error over the checked sequences, per reference tensor."""
+    errors = {}
+    for rows, ref in refs.values():
+        sliced = {key: t[rows][None] for key, t in results.items()}  # self-attention: q and k rows coincide
+        for key, error in relative_errors(sliced, ref).items():
+            errors[key] = max(errors.get(key, 0.0), error)
+    return errors
+
+
+def run_varlen(args, dtype, backward, flops_factor):
+    """The --varlen sweep: returns (rows, provider names, ratio columns, failed-check marks per row)."""
+    binders = {}
+    names = ["ours"] + (["ours_det"] if backward else []) + list(VARLEN_EXTRA) + args.peers
+    for name in names:
+        try:
+            binders[name] = make_varlen_binder(name, args.tier)
+        except Exception as e:  # a peer that is not installed is simply absent
+            if name.startswith("ours"):
+                raise
+            print(f"{name}: n/a ({type(e).__name__}: {e})")
+    names = list(binders)
+    ratios = [("ours", peer, f"ours/{label}") for peer, label in VARLEN_RATIOS if peer in binders]
+    if "ours_det" in binders:
+        ratios.append(("ours_det", "ours", "det/ours"))
+    columns = ["mix", "seqs", "max", "h", "d", "causal"] + names + [key for _, _, key in ratios]
+    widths = [9, 5, 6, 4, 4, 6] + [max(10, len(n)) for n in names] + [12] * len(ratios)
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    rows = []
+    rng = random.Random(0)
+    for mix, d, causal in itertools.product(args.varlen, args.hdims or [64, 128], causals):
+        lengths = varlen_lengths(mix, args.tokens)
+        h = args.model_dim // d
+        total = sum(lengths)
+        q, k, v = (torch.randn(total, h, d, dtype=dtype, device="cuda", requires_grad=backward) for _ in range(3))
+        dout = torch.randn_like(q) if backward else None
+        flops = flops_factor * 4 * h * d * sum(visible_pairs(n, n, causal) for n in lengths)
+        refs = None if args.no_check else varlen_reference(q, k, v, causal, lengths, dout)
+        row = dict(mix=mix, lengths=lengths, b=len(lengths), total=total, max_seqlen=max(lengths), h=h, hk=h, d=d,
+                   causal=causal, dtype=args.dtype, mode=args.mode, flops=flops)
+        bad = set()
+        runnable = {}
+        for name, bind in binders.items():
+            row[f"{name}_tflops"] = None
+            if name == "ours_batched" and len(set(lengths)) != 1:
+                continue  # only the equal mix has a batched layout without padding (n/a in the others)
+            try:
+                attn = bind(lengths)
+                results, call = prepare_call(args.mode, attn, q, k, v, causal, dout)
+                if not all(torch.isfinite(t).all() for t in results.values()):
+                    raise RuntimeError("non-finite output")
+                if refs is not None:
+                    errors = varlen_relative_errors(results, refs)
+                    row.update({f"{name}_relerr" + ("" if key == "out" else f"_{key}"): error
+                                for key, error in errors.items()})
+                    if not all(error <= RELERR_LIMIT for error in errors.values()):
+                        bad.add(name)
+                del results
+                runnable[name] = call
+            except Exception as e:  # one failing provider must not stop the others
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        for name, ms in time_providers_ms(runnable, args.warmup, args.iters, args.rounds, rng).items():
+            row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
+            row[f"{name}_ms"] = ms
+        for num, den, key in ratios:
+            mine, theirs = row[f"{num}_tflops"], row[f"{den}_tflops"]
+            row[key] = mine / theirs if mine and theirs else None
+        rows.append(row)
+        del q, k, v, dout, refs, runnable
+
+        cells = [mix, str(len(lengths)), str(max(lengths)), str(h), str(d), "yes" if causal else "no"]
+        cells += [fmt(row[f"{n}_tflops"], ".1f") + ("!" if n in bad else "") for n in names]
+        cells += [fmt(row[key], ".3f") for _, _, key in ratios]
+        print("  ".join(c.rjust(w) for c, w in zip(cells, widths)), flush=True)
+    return rows, names, ratios
+
+
+def parse_mixes(text):
+    mixes = [m for m in text.split(",") if m] if text != "all" else list(VARLEN_MIXES)
+    unknown = [m for m in mixes if m not in VARLEN_MIXES]
+    if unknown or not mixes:
+        raise argparse.ArgumentTypeError(f"unknown mixes {','.join(unknown)}; known: {','.join(VARLEN_MIXES)}")
+    return mixes
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def prepare_call(mode, attn, q, k, v, causal, dout):
@@ -234,32 +464,8 @@ def plot(rows, providers, path, what):
     print(f"plot written to {path}")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=tuple(MODES), default="fwd",
-                        help="time the forward, the backward, or forward + backward")
-    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    parser.add_argument("--hdims", type=parse_ints, default=[64, 128, 256], help="head dims of the default sweep")
-    parser.add_argument("--seqlens", type=parse_ints, default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--tokens", type=int, default=16384, help="b * seqlen in the default sweep")
-    parser.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim in the default sweep")
-    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    parser.add_argument("--shape", type=parse_shape, action="append", help="b,sq,sk,h,hk,d; repeatable; "
-                        "replaces the default sweep")
-    parser.add_argument("--peers", type=parse_peers, default=",".join(PEERS),
-                        help=f"comma-separated subset of {','.join(PEERS)}")
-    parser.add_argument("--tier", default=None, help="force a tier of ours, e.g. sm80")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=30, help="timed calls per provider and round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per shape, providers in random order")
-    parser.add_argument("--no-check", action="store_true", help="skip the fp32 accuracy check")
-    parser.add_argument("--json", metavar="PATH")
-    parser.add_argument("--png", metavar="PATH")
-    args = parser.parse_args()
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    what, flops_factor = MODES[args.mode]
-    backward = args.mode != "fwd"
+def run_batched(args, dtype, backward, flops_factor):
+    """The batched sweep (the default): returns (rows, provider names, ratio columns)."""
     providers = {}
     for name in ["ours"] + (["ours_det"] if backward else []) + args.peers:
         try:
@@ -270,9 +476,6 @@ def main():
             print(f"{name}: n/a ({type(e).__name__}: {e})")
     names = list(providers)
 
-    gpu = torch.cuda.get_device_name()
-    print(f"{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, {args.dtype}, {what}, "
-          f"{args.rounds} rounds of warm-up {args.warmup} + {args.iters} timed calls, median")
     # (numerator, denominator, column): ours over each strong peer; in the backward modes also the deterministic
     # backward over the default one, the price of determinism.
     ratios = [("ours", peer, f"ours/{label}") for peer, label in RATIO_PEERS if peer in providers]
@@ -321,6 +524,62 @@ def main():
         cells += [fmt(row[f"{n}_tflops"], ".1f") + ("!" if n in bad else "") for n in names]
         cells += [fmt(row[key], ".3f") for _, _, key in ratios]
         print("  ".join(c.rjust(w) for c, w in zip(cells, widths)), flush=True)
+    return rows, names, ratios
+
+
+def summarize(rows, ratios):
+    """Geomean and minimum of each ratio column over the rows."""
+    summary = {}
+    for num, den, key in ratios:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        summary[f"geomean_{num}_over_{den}"] = geomean(values)
+        summary[f"min_{num}_over_{den}"] = min(values) if values else None
+    return summary
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=tuple(MODES), default="fwd",
+                        help="time the forward, the backward, or forward + backward")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--hdims", type=parse_ints, default=None,
+                        help="head dims of the default sweep (64,128,256; with --varlen 64,128)")
+    parser.add_argument("--seqlens", type=parse_ints, default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--tokens", type=int, default=16384, help="b * seqlen in the default sweep, the total "
+                        "length of the packed sequences with --varlen")
+    parser.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim in the default sweep")
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--shape", type=parse_shape, action="append", help="b,sq,sk,h,hk,d; repeatable; "
+                        "replaces the default sweep")
+    parser.add_argument("--varlen", type=parse_mixes, nargs="?", const="all", metavar="MIXES",
+                        help=f"time variable-length batches instead: comma-separated mixes of "
+                        f"{','.join(VARLEN_MIXES)} (all when no value is given)")
+    parser.add_argument("--peers", type=parse_peers, default=",".join(PEERS),
+                        help=f"comma-separated subset of {','.join(PEERS)}")
+    parser.add_argument("--tier", default=None, help="force a tier of ours, e.g. sm80")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=30, help="timed calls per provider and round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per shape, providers in random order")
+    parser.add_argument("--no-check", action="store_true", help="skip the fp32 accuracy check")
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--png", metavar="PATH")
+    args = parser.parse_args()
+    if args.varlen and args.shape:
+        parser.error("--shape is for the batched sweep; --varlen takes its lengths from the mixes")
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    what, flops_factor = MODES[args.mode]
+    backward = args.mode != "fwd"
+
+    gpu = torch.cuda.get_device_name()
+    print(f"{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, {args.dtype}, {what}"
+          + (f", varlen {args.tokens} tokens" if args.varlen else "")
+          + f", {args.rounds} rounds of warm-up {args.warmup} + {args.iters} timed calls, median")
+    if args.varlen:
+        rows, names, ratios = run_varlen(args, dtype, backward, flops_factor)
+    else:
+        args.hdims = args.hdims or [64, 128, 256]
+        rows, names, ratios = run_batched(args, dtype, backward, flops_factor)
 
     failures = sorted({k[: -len("_error")] for r in rows for k in r if k.endswith("_error")})
     for name in failures:
@@ -328,25 +587,37 @@ def main():
         print(f"{name} failed on some shapes, e.g. {first[f'{name}_error']}")
     if not args.no_check:
         checked = "output, dq, and dk and dv where checkable" if backward else "output"
+        if args.varlen:
+            checked += ", of the longest, the shortest and the last sequence"
         print(f"'!' marks a result whose relative error against fp32 ({checked}) exceeds {RELERR_LIMIT}")
 
-    summary = {}
-    for num, den, key in ratios:
-        values = [r[key] for r in rows if r[key] is not None]
-        summary[f"geomean_{num}_over_{den}"] = geomean(values)
-        summary[f"min_{num}_over_{den}"] = min(values) if values else None
+    summary = summarize(rows, ratios)
     print("   ".join(f"{stat} {num}/{den}: {fmt(summary[f'{stat}_{num}_over_{den}'], '.3f')}"
                      for num, den, _ in ratios for stat in ("geomean", "min")))
+    if args.varlen:  # and per mix
+        summary["per_mix"] = {}
+        for mix in args.varlen:
+            per_mix = summarize([r for r in rows if r["mix"] == mix], ratios)
+            summary["per_mix"][mix] = per_mix
+            print(f"  {mix}: " + "   ".join(
+                f"geomean {num}/{den}: {fmt(per_mix[f'geomean_{num}_over_{den}'], '.3f')}" for num, den, _ in ratios
+                if per_mix[f"geomean_{num}_over_{den}"] is not None))
 
     if args.json:
         meta = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, dtype=args.dtype, mode=args.mode,
                     tier=args.tier, warmup=args.warmup, iters=args.iters, command=" ".join(sys.argv),
                     date=datetime.datetime.now().isoformat(timespec="seconds"))
+        if args.varlen:
+            meta.update(varlen=args.varlen, tokens=args.tokens,
+                        flops="4 * h * d * sum over sequences of the visible (query, key) pairs, x mode factor")
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, summary=summary, rows=rows), f, indent=1)
         print(f"results written to {args.json}")
     if args.png:
-        plot(rows, names, args.png, what)
+        if args.varlen:
+            print("--png draws the batched sweep only; no plot for --varlen")
+        else:
+            plot(rows, names, args.png, what)
 
 
 if __name__ == "__main__":

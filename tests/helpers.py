@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flash_attention import _ops, flash_attn_func
-from reference import attention_ref
+from reference import attention_mask, attention_ref
 
 fp16, bf16 = torch.float16, torch.bfloat16
 DTYPES = (fp16, bf16)
@@ -146,6 +146,14 @@ def require_kernel(d, dtype, direction="fwd"):
         pytest.skip(f"kernel {key} not built (FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS)")
 
 
+def _poison_blocks(shapes, itemsizes):
+    """Allocate NaN-filled (all-ones bytes) blocks of these shapes and item sizes at once, then free them: the caching
+    allocator keeps them and hands them out to the next allocations of those sizes (or a little smaller)."""
+    blocks = [torch.full((math.prod(shape) * itemsize,), 255, dtype=torch.uint8, device="cuda")
+              for shape in shapes for itemsize in itemsizes]
+    del blocks
+
+
 def poison_allocator(q, k):
     """Leave NaN-filled blocks in the caching allocator, of the sizes of the buffers that attention on q and k/v
     allocates (outputs and gradients, padded copies of the inputs, fp32 row statistics and accumulators, the
@@ -155,9 +163,22 @@ def poison_allocator(q, k):
     sk, hk = k.shape[1], k.shape[2]
     d_padded = -(-d // 8) * 8
     shapes = [(b, sq, h, d_padded)] * 4 + [(b, sk, hk, d_padded)] * 4 + [(b, sk, h, d_padded)] * 2 + [(b, h, sq)] * 2
-    blocks = [torch.full((math.prod(shape) * itemsize,), 255, dtype=torch.uint8, device="cuda")
-              for shape in shapes for itemsize in (q.element_size(), 4)]
-    del blocks
+    _poison_blocks(shapes, (q.element_size(), 4))
+
+
+def poison_allocator_varlen(q, k, batch):
+    """poison_allocator for a varlen call on q (total_q, h, d) and k/v (total_k, hk, d) with `batch` sequences: the
+    same buffers over all rows, and again with 128 more rows per sequence (a per-sequence padding of the fp32
+    accumulators, in case the op rounds each sequence up to a tile) and at the kernel head dim."""
+    total_q, h, d = q.shape
+    total_k, hk = k.shape[0], k.shape[1]
+    shapes = []
+    for extra in (0, 128 * batch):
+        for width in sorted({-(-d // 8) * 8, _ops.kernel_head_dim(-(-d // 8) * 8)}):
+            rows_q, rows_k = total_q + extra, total_k + extra
+            shapes += [(rows_q, h, width)] * 3 + [(rows_k, hk, width)] * 3 + [(rows_k, h, width)] * 2
+        shapes += [(h, total_q + extra)] * 2
+    _poison_blocks(shapes, (q.element_size(), 4))
 
 
 def max_err(x, ref):
@@ -203,3 +224,273 @@ def output_and_grads(module, params, x, dy):
     `module` is a compiled wrapper around it)."""
     y = module(x)
     return (y, *torch.autograd.grad(y, [x, *params], dy))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Variable-length (varlen) batches: sequences packed along one token dimension, delimited by cu_seqlens.
+
+
+@dataclass(frozen=True)
+class VarlenCase:
+    """A varlen call: sequence i has seqlens_q[i] query rows and seqlens_k[i] key rows, of which it uses the first
+    seqused_q[i] / seqused_k[i] when given. tail_q / tail_k rows follow the last sequence and belong to none; they are
+    only allowed with seqused_q / seqused_k, where the op must leave zeros in them (without seqused their contents
+    are unspecified). `mix` names the length mix in the test id (else the lengths are spelled out)."""
+    dtype: torch.dtype
+    d: int
+    seqlens_q: Tuple[int, ...]
+    seqlens_k: Tuple[int, ...]
+    heads: str = "mha"
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None  # None, "h" for (nheads,) slopes, "bh" for (num sequences, nheads)
+    seqused_q: Optional[Tuple[int, ...]] = None
+    seqused_k: Optional[Tuple[int, ...]] = None
+    tail_q: int = 0
+    tail_k: int = 0
+    layout: str = "contiguous"  # or "sliced": every stride differs from contiguous
+    mix: str = ""
+
+    def __post_init__(self):
+        b = len(self.seqlens_q)
+        assert b == len(self.seqlens_k), "one key length per query length"
+        for used, lengths in ((self.seqused_q, self.seqlens_q), (self.seqused_k, self.seqlens_k)):
+            assert used is None or (len(used) == b and all(0 <= u <= s for u, s in zip(used, lengths)))
+        assert not self.tail_q or self.seqused_q is not None, "tail rows of q are only checkable with seqused_q"
+        assert not self.tail_k or self.seqused_k is not None, "tail rows of k are only checkable with seqused_k"
+
+    @property
+    def b(self):
+        return len(self.seqlens_q)
+
+    @property
+    def used_q(self):
+        return self.seqlens_q if self.seqused_q is None else self.seqused_q
+
+    @property
+    def used_k(self):
+        return self.seqlens_k if self.seqused_k is None else self.seqused_k
+
+    @property
+    def id(self):
+        dtype = "bf16" if self.dtype == bf16 else "fp16"
+        if self.mix:
+            lengths = self.mix
+        else:
+            lengths = "q" + ",".join(map(str, self.seqlens_q)) + "_k" + ",".join(map(str, self.seqlens_k))
+        parts = [dtype, f"d{self.d}", lengths, self.heads]
+        if self.causal:
+            parts.append("causal")
+        if self.window != (-1, -1):
+            parts.append(f"win{self.window[0]}_{self.window[1]}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap:g}")
+        if self.alibi:
+            parts.append(f"alibi_{self.alibi}")
+        if self.seqused_q is not None:
+            parts.append("usedq")
+        if self.seqused_k is not None:
+            parts.append("usedk")
+        if self.tail_q or self.tail_k:
+            parts.append(f"tail{self.tail_q}_{self.tail_k}")
+        if self.layout != "contiguous":
+            parts.append(self.layout)
+        return "-".join(parts)
+
+
+@dataclass
+class VarlenInputs:
+    q: torch.Tensor  # (total_q, h, d)
+    k: torch.Tensor  # (total_k, hk, d)
+    v: torch.Tensor
+    cu_seqlens_q: torch.Tensor  # int32 (b + 1,)
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    seqused_q: Optional[torch.Tensor]  # int32 (b,)
+    seqused_k: Optional[torch.Tensor]
+    alibi: Optional[torch.Tensor]
+
+
+def cumulative(lengths):
+    """[0, l0, l0 + l1, ...] as Python ints."""
+    return [0, *itertools.accumulate(lengths)]
+
+
+def int32_cuda(values):
+    return torch.tensor(list(values), dtype=torch.int32, device="cuda")
+
+
+def make_varlen_tensor(layout, total, h, d, dtype):
+    """A (total, h, d) tensor of random values laid out as asked."""
+    if layout == "contiguous":
+        return torch.randn(total, h, d, dtype=dtype, device="cuda")
+    if layout == "sliced":  # extra heads and columns around it, as in a packed qkv projection
+        return torch.randn(total, h + 1, d + 8, dtype=dtype, device="cuda")[:, 1:, :d]
+    raise ValueError(layout)
+
+
+def make_varlen_inputs(case):
+    h, hk = HEADS[case.heads]
+    total_q = sum(case.seqlens_q) + case.tail_q
+    total_k = sum(case.seqlens_k) + case.tail_k
+    q = make_varlen_tensor(case.layout, total_q, h, case.d, case.dtype)
+    k = make_varlen_tensor(case.layout, total_k, hk, case.d, case.dtype)
+    v = make_varlen_tensor(case.layout, total_k, hk, case.d, case.dtype)
+    alibi = None
+    if case.alibi == "h":
+        alibi = torch.rand(h, device="cuda") * 0.3
+    elif case.alibi == "bh":
+        alibi = torch.rand(case.b, h, device="cuda") * 0.3
+    return VarlenInputs(
+        q, k, v, int32_cuda(cumulative(case.seqlens_q)), int32_cuda(cumulative(case.seqlens_k)),
+        max(case.seqlens_q, default=0), max(case.seqlens_k, default=0),
+        None if case.seqused_q is None else int32_cuda(case.seqused_q),
+        None if case.seqused_k is None else int32_cuda(case.seqused_k),
+        alibi,
+    )
+
+
+def varlen_kwargs(case, inputs):
+    """The keyword arguments of flash_attn_varlen_func that the case sets (besides the positional tensors)."""
+    return dict(causal=case.causal, window_size=case.window, softcap=case.softcap, alibi_slopes=inputs.alibi,
+                seqused_q=inputs.seqused_q, seqused_k=inputs.seqused_k)
+
+
+@dataclass(frozen=True)
+class Sequence:
+    index: int
+    rows_q: slice  # the used query rows of the sequence
+    rows_k: slice  # the used key/value rows
+
+
+def varlen_sequences(case):
+    """Each sequence's used rows (lengths known on the host: no device sync)."""
+    cu_q, cu_k = cumulative(case.seqlens_q), cumulative(case.seqlens_k)
+    return [Sequence(i, slice(cu_q[i], cu_q[i] + case.used_q[i]), slice(cu_k[i], cu_k[i] + case.used_k[i]))
+            for i in range(case.b)]
+
+
+def unused_rows(case):
+    """Bool masks over q's rows and k's rows that belong to no used sequence position (past seqused, or in the
+    tail), on the host's knowledge of the case; None for a side without seqused (its unused rows are unspecified)."""
+    masks = []
+    for used, lengths, tail, given in ((case.used_q, case.seqlens_q, case.tail_q, case.seqused_q),
+                                       (case.used_k, case.seqlens_k, case.tail_k, case.seqused_k)):
+        if given is None:
+            masks.append(None)
+            continue
+        mask = torch.ones(sum(lengths) + tail, dtype=torch.bool)
+        for start, n in zip(cumulative(lengths), used):
+            mask[start:start + n] = False
+        masks.append(mask.cuda())
+    return masks
+
+
+def sequence_reference_kwargs(case, inputs, seq):
+    """attention_ref's keyword arguments for one sequence: the case's masks, and its own ALiBi slopes."""
+    slopes = inputs.alibi
+    if slopes is not None and slopes.dim() == 2:
+        slopes = slopes[seq.index]
+    return dict(causal=case.causal, window_size=case.window, softcap=case.softcap, alibi_slopes=slopes)
+
+
+def sequence_visibility(case, seq):
+    """Bool (used_q, used_k) of the keys each query row of the sequence sees (masks bottom-right per sequence)."""
+    nq, nk = seq.rows_q.stop - seq.rows_q.start, seq.rows_k.stop - seq.rows_k.start
+    return attention_mask(nq, nk, case.causal, case.window, device="cuda")
+
+
+def rows_seeing_a_key(case):
+    """Bool (total_q,): the rows that are used and see at least one key of their sequence."""
+    sees = torch.zeros(sum(case.seqlens_q) + case.tail_q, dtype=torch.bool, device="cuda")
+    for seq in varlen_sequences(case):
+        sees[seq.rows_q] = sequence_visibility(case, seq).any(dim=1)
+    return sees
+
+
+def assert_varlen_matches_reference(out, lse, case, inputs):
+    """out (total_q, h, d) and lse (h, total_q): every sequence within the 2x rule of its own fp32 reference (b = 1,
+    the sequence's used rows, its masks aligned to its own used lengths, its ALiBi slopes); rows outside every used
+    sequence position exactly 0 / -inf when seqused is given."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    h = q.shape[1]
+    assert out.shape == q.shape and out.dtype == q.dtype, f"out: {tuple(out.shape)} {out.dtype}"
+    assert lse.shape == (h, q.shape[0]) and lse.dtype == torch.float32, f"lse: {tuple(lse.shape)} {lse.dtype}"
+    for seq in varlen_sequences(case):
+        if seq.rows_q.stop == seq.rows_q.start:
+            continue
+        try:
+            assert_matches_reference(out[seq.rows_q][None], lse[:, seq.rows_q][None], q[seq.rows_q][None],
+                                     k[seq.rows_k][None], v[seq.rows_k][None],
+                                     **sequence_reference_kwargs(case, inputs, seq))
+        except AssertionError as e:
+            raise AssertionError(f"sequence {seq.index} (q rows {seq.rows_q.start}:{seq.rows_q.stop}, k rows "
+                                 f"{seq.rows_k.start}:{seq.rows_k.stop}): {e}") from None
+    unused_q, _ = unused_rows(case)
+    if unused_q is not None:
+        assert (out[unused_q] == 0).all(), "out of a row past seqused_q (or in no sequence) must be 0"
+        assert (lse[:, unused_q] == float("-inf")).all(), "lse of a row past seqused_q (or in no sequence) must be -inf"
+
+
+def reference_grads(q, k, v, dout, dlse, upcast, **kwargs):
+    """attention_ref's gradients (dq, dk, dv) for dout (and dlse when not None), in fp32 (upcast) or in the input
+    dtype; q (b, sq, h, d), k/v (b, sk, hk, d)."""
+    leaves = [(t.float() if upcast else t).detach().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, upcast=upcast, **kwargs)
+    if dlse is None:
+        return torch.autograd.grad(out, leaves, dout.to(out.dtype))
+    return torch.autograd.grad((out, lse), leaves, (dout.to(out.dtype), dlse))
+
+
+def varlen_cotangents(case, inputs, with_lse=False):
+    """A random dout (total_q, h, d), and with_lse a random dlse (h, total_q) that is 0 on the rows whose lse is -inf
+    (unused rows, rows that see no key): no finite loss can weight those."""
+    dout = torch.randn(inputs.q.shape, dtype=inputs.q.dtype, device="cuda")
+    if not with_lse:
+        return dout, None
+    h, total_q = inputs.q.shape[1], inputs.q.shape[0]
+    return dout, torch.randn(h, total_q, device="cuda").masked_fill(~rows_seeing_a_key(case), 0.0)
+
+
+def assert_varlen_grads_correct(case, inputs, dout, dlse, *grad_sets):
+    """Each (dq, dk, dv) in grad_sets: shapes and dtypes; per sequence finite, exact zeros where the masks put them
+    (rows that see no key, keys that no row sees) and within three times PyTorch's own same-dtype error of that
+    sequence's fp32 reference gradients (plus fp32 rounding); zeros in the rows past seqused (and in the tail)."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    for grads in grad_sets:
+        for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+            assert g.shape == x.shape and g.dtype == x.dtype, f"{name}: {tuple(g.shape)} {g.dtype}"
+    for seq in varlen_sequences(case):
+        rows = (seq.rows_q, seq.rows_k, seq.rows_k)
+        if seq.rows_q.stop == seq.rows_q.start and seq.rows_k.stop == seq.rows_k.start:
+            continue
+        where = f"sequence {seq.index} (q rows {seq.rows_q.start}:{seq.rows_q.stop}, k rows " \
+                f"{seq.rows_k.start}:{seq.rows_k.stop})"
+        sees = sequence_visibility(case, seq)
+        blind_rows, unseen_keys = ~sees.any(dim=1), ~sees.any(dim=0)
+        pieces = [q[seq.rows_q][None], k[seq.rows_k][None], v[seq.rows_k][None], dout[seq.rows_q][None],
+                  None if dlse is None else dlse[:, seq.rows_q][None]]
+        kwargs = sequence_reference_kwargs(case, inputs, seq)
+        ref = reference_grads(*pieces, upcast=True, **kwargs)
+        low = reference_grads(*pieces, upcast=False, **kwargs)
+        for grads in grad_sets:
+            got = [g[r] for g, r in zip(grads, rows)]
+            for name, g in zip(("dq", "dk", "dv"), got):
+                assert torch.isfinite(g).all(), f"{where}: NaN/inf in {name}"
+            assert not got[0][blind_rows].any(), f"{where}: dq of a row that sees no key must be exactly 0"
+            assert not got[1][unseen_keys].any() and not got[2][unseen_keys].any(), \
+                f"{where}: dk/dv of a key no row sees must be exactly 0"
+            for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
+                err, tol = max_err(g[None], r), 3 * max_err(lo, r) + 1e-4
+                assert err <= tol, f"{where}: {name}: max error {err:.3g} > tolerance {tol:.3g}"
+        del ref, low
+    unused_q, unused_k = unused_rows(case)
+    for grads in grad_sets:
+        dq, dk, dv = grads
+        if unused_q is not None:
+            assert (dq[unused_q] == 0).all(), "dq of a row past seqused_q (or in no sequence) must be 0"
+        if unused_k is not None:
+            assert (dk[unused_k] == 0).all() and (dv[unused_k] == 0).all(), \
+                "dk/dv of a row past seqused_k (or in no sequence) must be 0"
