@@ -22,8 +22,9 @@ text-like sequences of 64..512 tokens), `equal` (4 x 4096: `ours_batched`, flash
 as (b, s, h, d), gives the varlen/batched ratio). Providers: ours (flash_attn_varlen_func; ours_det in the backward
 modes) and each peer's varlen path: SDPA on jagged nested tensors (torch.nested.nested_tensor_from_jagged, layout
 (b, h, j, d)) under its FLASH_ATTENTION (FlashAttention-2's varlen kernel through aten._flash_attention_forward with
-cu_seqlens), CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, flash-attn 2's and FlashAttention-4's
-flash_attn_varlen_func. FLOPs count the visible scores exactly: 4 * h * d * sum over sequences of the number of
+cu_seqlens), CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, flash-attn 2's flash_attn_varlen_func (or, when
+flash-attn is not installed, the same kernel through aten._flash_attention_forward directly: SDPA's FLASH backend
+without the nested-tensor wrapper's overhead) and FlashAttention-4's flash_attn_varlen_func. FLOPs count the visible scores exactly: 4 * h * d * sum over sequences of the number of
 (query, key) pairs the mask lets through (sq * sk, or sq * (sq + 1) / 2 causal), for every provider alike; the
 backward modes 2.5x / 3.5x that. Accuracy is checked per sequence (the longest, the shortest and the last) against
 fp32 on the query heads of kv head 0.
@@ -103,7 +104,8 @@ def make_provider(name, tier):
 VARLEN_MIXES = ("uniform", "diffusion", "equal")
 # The varlen providers: ours, and each peer's varlen path (the peers' names, for --peers).
 VARLEN_EXTRA = ("ours_batched",)
-VARLEN_RATIOS = (("sdpa_flash", "flash"), ("sdpa_cudnn", "cudnn"), ("fa4", "fa4"), ("ours_batched", "batched"))
+VARLEN_RATIOS = (("sdpa_flash", "flash"), ("fa2", "fa2"), ("sdpa_cudnn", "cudnn"), ("fa4", "fa4"),
+                 ("ours_batched", "batched"))
 
 
 def varlen_lengths(mix, tokens, seed=0):
@@ -190,7 +192,14 @@ def make_varlen_binder(name, tier):
     if name in SDPA_BACKENDS:
         return sdpa_jagged_binder(SDPA_BACKENDS[name])
     if name == "fa2":
-        from flash_attn import flash_attn_varlen_func as fa2_varlen
+        try:
+            from flash_attn import flash_attn_varlen_func as fa2_varlen
+        except ImportError:
+            # FlashAttention-2's varlen kernel as PyTorch ships it (what SDPA's FLASH backend calls on jagged
+            # tensors), without the nested-tensor wrapper; it has a registered derivative.
+            def fa2_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+                return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal,
+                                                               False)[0]
 
         return with_cu(lambda q, k, v, causal, cu, max_len: fa2_varlen(q, k, v, cu, cu, max_len, max_len,
                                                                       causal=causal))
