@@ -18,12 +18,15 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
     return x + __shfl_xor_sync(0xffffffff, x, 1);
 }
 
+// The update of one key block comes in separable steps, so that a tier can place them around its GEMMs (SM90 issues
+// the next block's S GEMM before rescaling O): max_and_scale (row max, and the factor by which the running output
+// and sum shrink), exponentiate (scores to probabilities, row sums), rescale (the running output). update() runs
+// them in the SM80 tier's order.
 template <int kNRows>
 struct OnlineSoftmax {
     float row_max[kNRows];  // running max of the scores x (not yet scaled)
     float row_sum[kNRows];  // this thread's share of the running sum of exp; reduced over the quad at the end
 
-    // Turns the scores `s` of one key block into probabilities, rescaling the running output `o` when the max grows.
     // Starts from row_max = -inf and row_sum = 0; the first block's rescale factor is then exp2(-inf) = 0.
     __device__ __forceinline__ void init() {
         CUTE_UNROLL
@@ -33,22 +36,35 @@ struct OnlineSoftmax {
         }
     }
 
-    template <class TensorS, class TensorO>
-    __device__ __forceinline__ void update(TensorS& s, TensorO& o, float scale_log2) {
+    // A row with every key masked so far keeps max -inf; subtracting 0 instead gives exp2(-inf) = 0, not NaN.
+    __device__ __forceinline__ float scaled_max(int r, float scale_log2) const {
+        return row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
+    }
+
+    // Folds the scores `s` of one key block into the running max; alpha gets the factor by which the running output
+    // must shrink (the running sum is shrunk here).
+    template <class TensorS>
+    __device__ __forceinline__ void max_and_scale(TensorS const& s, float scale_log2, float (&alpha)[kNRows]) {
         static_assert(decltype(cute::size<0>(s))::value == kNRows);
         CUTE_UNROLL
         for (int r = 0; r < kNRows; ++r) {
             float m = row_max[r];
             CUTE_UNROLL
             for (int c = 0; c < cute::size<1>(s); ++c) { m = fmaxf(m, s(r, c)); }
-            m = quad_allreduce_max(m);
-            // A row with every key masked so far keeps max -inf; exp2(-inf - 0) = 0 keeps it at zero, not NaN.
-            float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-            float const alpha = exp2f(row_max[r] * scale_log2 - m_scaled);
-            float sum = row_sum[r] * alpha;
-            CUTE_UNROLL
-            for (int c = 0; c < cute::size<1>(o); ++c) { o(r, c) *= alpha; }
-            row_max[r] = m;
+            float const old_max = row_max[r];
+            row_max[r] = quad_allreduce_max(m);
+            alpha[r] = exp2f(old_max * scale_log2 - scaled_max(r, scale_log2));
+            row_sum[r] *= alpha[r];
+        }
+    }
+
+    // Turns the scores `s` into probabilities against the running max and adds them to the row sums.
+    template <class TensorS>
+    __device__ __forceinline__ void exponentiate(TensorS& s, float scale_log2) {
+        CUTE_UNROLL
+        for (int r = 0; r < kNRows; ++r) {
+            float const m_scaled = scaled_max(r, scale_log2);
+            float sum = row_sum[r];
             CUTE_UNROLL
             for (int c = 0; c < cute::size<1>(s); ++c) {
                 s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled);
@@ -56,6 +72,24 @@ struct OnlineSoftmax {
             }
             row_sum[r] = sum;
         }
+    }
+
+    template <class TensorO>
+    __device__ __forceinline__ static void rescale(TensorO& o, float const (&alpha)[kNRows]) {
+        CUTE_UNROLL
+        for (int r = 0; r < kNRows; ++r) {
+            CUTE_UNROLL
+            for (int c = 0; c < cute::size<1>(o); ++c) { o(r, c) *= alpha[r]; }
+        }
+    }
+
+    // The whole update of one key block: `s` becomes probabilities, the running output `o` is rescaled.
+    template <class TensorS, class TensorO>
+    __device__ __forceinline__ void update(TensorS& s, TensorO& o, float scale_log2) {
+        float alpha[kNRows];
+        max_and_scale(s, scale_log2, alpha);
+        rescale(o, alpha);
+        exponentiate(s, scale_log2);
     }
 
     // Normalises `o` and returns each row's log-sum-exp (natural log of the logits, -inf for a row that saw no key).
