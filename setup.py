@@ -36,7 +36,7 @@ def max_jobs() -> int:
 
 
 def kernel_jobs():
-    """(source, archs, ptx_arch) for every instantiation the environment asks for."""
+    """(source, archs, tier) for every instantiation the environment asks for; a tier's PTX is for its own arch."""
     archs = build_config.requested_archs()
     jobs = []
     sources = generate_kernels.kernel_sources(head_dims=build_config.requested_head_dims())
@@ -50,22 +50,26 @@ def kernel_jobs():
     return jobs
 
 
-def headers_digest() -> str:
+def headers_digest(tier: int) -> str:
+    """The headers a tier's kernel files can include: csrc/common and the tier's own folders, so that editing one
+    tier's headers rebuilds only that tier's kernels."""
+    csrc = ROOT / "csrc"
+    folders = {csrc / "common"} | {(csrc / header).parent for header in generate_kernels.TIERS[tier][2].values()}
     h = hashlib.sha256()
-    for p in sorted((ROOT / "csrc").rglob("*.h")):
+    for p in sorted(path for folder in folders for path in folder.rglob("*.h")):
         h.update(p.read_bytes())
     return h.hexdigest()
 
 
 def compile_kernels(build_dir: Path) -> list[str]:
     build_dir.mkdir(parents=True, exist_ok=True)
-    digest = headers_digest()
+    digests = {tier: headers_digest(tier) for tier in generate_kernels.TIERS}
     todo, objects = [], []
-    for source, archs, ptx_arch in kernel_jobs():
+    for source, archs, tier in kernel_jobs():
         obj = build_dir / (source.stem + ".o")
-        cmd = build_config.nvcc_command(source, obj, archs, ptx_arch)
+        cmd = build_config.nvcc_command(source, obj, archs, tier)
         stamp = obj.with_suffix(".stamp")
-        key = hashlib.sha256((" ".join(cmd) + digest + source.read_text()).encode()).hexdigest()
+        key = hashlib.sha256((" ".join(cmd) + digests[tier] + source.read_text()).encode()).hexdigest()
         objects.append(str(obj))
         if not (obj.exists() and stamp.exists() and stamp.read_text() == key):
             todo.append((cmd, obj, stamp, key))
