@@ -36,13 +36,13 @@ def max_jobs() -> int:
 
 
 def kernel_jobs():
-    """(source, archs, tier) for every instantiation the environment asks for; a tier's PTX is for its own arch."""
+    """(source, archs, tier) for every instantiation the environment asks for."""
     archs = build_config.requested_archs()
     jobs = []
     sources = generate_kernels.kernel_sources(head_dims=build_config.requested_head_dims())
     # Longest compiles first (backward before forward, large head dims first), so that no long job starts last.
     for src in sorted(sources, key=lambda s: (s.direction == "bwd", s.head_dim), reverse=True):
-        tier_archs = [a for a in archs if a in generate_kernels.tier_archs(src.tier)]
+        tier_archs = [a for a in archs if a in generate_kernels.TIERS[src.tier].archs]
         if tier_archs:
             jobs.append((src.path, tier_archs, src.tier))
     if not jobs:
@@ -54,7 +54,7 @@ def headers_digest(tier: int) -> str:
     """The headers a tier's kernel files can include: csrc/common and the tier's own folders, so that editing one
     tier's headers rebuilds only that tier's kernels."""
     csrc = ROOT / "csrc"
-    folders = {csrc / "common"} | {(csrc / header).parent for header in generate_kernels.TIERS[tier][2].values()}
+    folders = {csrc / "common"} | {csrc / folder for folder in generate_kernels.TIERS[tier].header_dirs}
     h = hashlib.sha256()
     for p in sorted(path for folder in folders for path in folder.rglob("*.h")):
         h.update(p.read_bytes())
@@ -67,7 +67,9 @@ def compile_kernels(build_dir: Path) -> list[str]:
     todo, objects = [], []
     for source, archs, tier in kernel_jobs():
         obj = build_dir / (source.stem + ".o")
-        cmd = build_config.nvcc_command(source, obj, archs, tier)
+        # A tier's PTX is for its own arch, so that newer GPUs can JIT it; arch-specific tiers ship none.
+        suffix = generate_kernels.TIERS[tier].arch_suffix
+        cmd = build_config.nvcc_command(source, obj, archs, None if suffix else tier, suffix)
         stamp = obj.with_suffix(".stamp")
         key = hashlib.sha256((" ".join(cmd) + digests[tier] + source.read_text()).encode()).hexdigest()
         objects.append(str(obj))

@@ -58,15 +58,16 @@ def nvcc_path() -> str:
     return found
 
 
-def gencode_flags(archs: list[int], ptx_arch: int | None) -> list[str]:
-    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in sorted(set(archs))]
+def gencode_flags(archs: list[int], ptx_arch: int | None, suffix: str = "") -> list[str]:
+    """SASS for each arch (sm_90a with suffix "a"), plus PTX for ptx_arch."""
+    flags = [f"-gencode=arch=compute_{a}{suffix},code=sm_{a}{suffix}" for a in sorted(set(archs))]
     if ptx_arch is not None:
         flags.append(f"-gencode=arch=compute_{ptx_arch},code=compute_{ptx_arch}")
     return flags
 
 
-def nvcc_command(source: Path, obj: Path, archs: list[int], ptx_arch: int | None) -> list[str]:
+def nvcc_command(source: Path, obj: Path, archs: list[int], ptx_arch: int | None, suffix: str = "") -> list[str]:
     includes = [f"-I{p}" for p in [CSRC, *cutlass_include_dirs()]]
     flags = ["-std=c++17", "-O3", "--use_fast_math", "--expt-relaxed-constexpr", "-DNDEBUG",
-             "-Xcompiler", "-fPIC", "-Xptxas=-v", *gencode_flags(archs, ptx_arch)]
+             "-Xcompiler", "-fPIC", "-Xptxas=-v", *gencode_flags(archs, ptx_arch, suffix)]
     return [nvcc_path(), "-c", str(source), "-o", str(obj), *includes, *flags]

@@ -18,14 +18,15 @@ CHECK_HEAD_DIM = 128
 def main() -> int:
     failed = False
     for src in generate_kernels.kernel_sources(head_dims=[CHECK_HEAD_DIM], dtypes=["bf16"]):
-        arch = generate_kernels.tier_archs(src.tier)[0]
+        tier = generate_kernels.TIERS[src.tier]
+        arch = tier.archs[0]
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = build_config.nvcc_command(src.path, Path(tmp) / "k.o", [arch], None)
+            cmd = build_config.nvcc_command(src.path, Path(tmp) / "k.o", [arch], None, tier.arch_suffix)
             t0 = time.time()
             res = subprocess.run(cmd, capture_output=True, text=True)
         report = [l for l in res.stderr.splitlines() if re.search(r"registers|spill|Compiling entry", l)]
         status = "ok" if res.returncode == 0 else "FAILED"
-        print(f"{src.path.name} for sm_{arch}: {status} in {time.time() - t0:.0f} s")
+        print(f"{src.path.name} for sm_{arch}{tier.arch_suffix}: {status} in {time.time() - t0:.0f} s")
         print("\n".join("  " + l.strip() for l in report))
         if res.returncode != 0:
             print(res.stderr[-6000:])

@@ -27,9 +27,23 @@ HEAD_DIMS = _load_head_dims()
 DTYPES = {"fp16": ("cutlass::half_t", "kFloat16"), "bf16": ("cutlass::bfloat16_t", "kBFloat16")}
 # direction -> params type
 DIRECTIONS = {"fwd": "FwdParams", "bwd": "BwdParams"}
-# tier -> (namespace, archs the tier's code can run on, {direction: launch header})
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    namespace: str
+    archs: tuple[int, ...]  # archs the tier's code can run on
+    headers: dict[str, str]  # direction -> launch header
+    header_dirs: tuple[str, ...]  # folders of csrc/ (beside common/) whose headers its kernels include
+    head_dims: tuple[int, ...] = HEAD_DIMS
+    arch_suffix: str = ""  # "a": arch-specific instructions (wgmma, setmaxnreg), so no portable PTX either
+
+
 TIERS = {
-    80: ("flash::sm80", (80, 86, 87, 89, 90, 120, 121), {"fwd": "sm80/fwd_launch.h", "bwd": "sm80/bwd_launch.h"}),
+    80: Tier("flash::sm80", (80, 86, 87, 89, 90, 120, 121),
+             {"fwd": "sm80/fwd_launch.h", "bwd": "sm80/bwd_launch.h"}, ("sm80",)),
+    # The SM90 forward reuses the SM80 tier's epilogue and accumulator views.
+    90: Tier("flash::sm90", (90,), {"fwd": "sm90/fwd_launch.h"}, ("sm90", "sm80"), (64, 128, 256), "a"),
 }
 
 TEMPLATE = """\
@@ -53,23 +67,21 @@ class KernelSource:
     path: Path
 
     def text(self) -> str:
-        namespace, _, headers = TIERS[self.tier]
+        tier = TIERS[self.tier]
         dtype_cpp, dtype_enum = DTYPES[self.dtype]
-        return TEMPLATE.format(header=headers[self.direction], params=DIRECTIONS[self.direction], tier=self.tier,
-                               head_dim=self.head_dim, dtype_enum=dtype_enum, namespace=namespace,
-                               direction=self.direction, dtype_cpp=dtype_cpp)
-
-
-def tier_archs(tier: int) -> tuple[int, ...]:
-    return TIERS[tier][1]
+        return TEMPLATE.format(header=tier.headers[self.direction], params=DIRECTIONS[self.direction],
+                               tier=self.tier, head_dim=self.head_dim, dtype_enum=dtype_enum,
+                               namespace=tier.namespace, direction=self.direction, dtype_cpp=dtype_cpp)
 
 
 def kernel_sources(tiers=None, directions=None, head_dims=None, dtypes=None) -> list[KernelSource]:
     """The instantiations to build, written to disk if missing or stale."""
     out = []
     for tier in tiers or TIERS:
-        for direction in directions or TIERS[tier][2]:
-            for head_dim in head_dims or HEAD_DIMS:
+        for direction in directions or TIERS[tier].headers:
+            if direction not in TIERS[tier].headers:
+                continue
+            for head_dim in (d for d in head_dims or HEAD_DIMS if d in TIERS[tier].head_dims):
                 for dtype in dtypes or DTYPES:
                     name = f"{direction}_sm{tier}_hdim{head_dim}_{dtype}.cu"
                     src = KernelSource(tier, direction, head_dim, dtype, OUT_DIR / name)

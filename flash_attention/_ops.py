@@ -121,9 +121,23 @@ def check_kernel_available(available, tier: str, head_dim: int, dtype_name: str,
 def resolve_tier(device: torch.device, tier: Optional[str], head_dim: int, dtype: torch.dtype, direction: str) -> str:
     """The tier that runs on `device`, checked to be built for this head dim, dtype and direction. Resolved inside the
     ops rather than by the caller so that FLASH_ATTN_TIER is read at run time, also under torch.compile."""
-    tier_name = select_tier(torch.cuda.get_device_capability(device), requested_tier(tier))
-    check_kernel_available(available_kernels(), tier_name, head_dim, DTYPE_NAMES[dtype], direction)
+    available = available_kernels()
+    tier_name = routed_tier(available, select_tier(torch.cuda.get_device_capability(device), requested_tier(tier)),
+                            head_dim, DTYPE_NAMES[dtype], direction)
+    check_kernel_available(available, tier_name, head_dim, DTYPE_NAMES[dtype], direction)
     return tier_name
+
+
+def routed_tier(available, tier: str, head_dim: int, dtype_name: str, direction: str) -> str:
+    """A newer tier serves only some of the work (the SM90 tier: the forward for head dims 64, 128 and 256); when it is
+    built, the rest is routed to the SM80 tier, which runs on every supported GPU and shares the lse convention, so
+    a forward on one tier and its backward on the other agree. A tier that is not built at all is left to
+    check_kernel_available's error."""
+    def built(name):
+        return (TIER_IDS[name], direction, kernel_head_dim(head_dim), dtype_name) in available
+
+    tier_built = any(t == TIER_IDS[tier] for (t, _, _, _) in available)
+    return "sm80" if tier != "sm80" and tier_built and not built(tier) and built("sm80") else tier
 
 
 def kernel_operand(t: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,11 @@
 
 namespace flash {
 
+// Batch entries of the tensors: one when varlen (packed rows).
+__host__ __device__ __forceinline__ int tensor_batches(AttnParams const& params) {
+    return params.cu_seqlens_q == nullptr ? params.b : 1;
+}
+
 struct SeqRows {
     int start;  // first row in the tensor's batch entry (0 when batched)
     int len;

@@ -7,15 +7,11 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "../common/params.h"
+#include "../common/seqlen.h"
 
 namespace flash::sm80 {
 
 constexpr int kPreprocessWarps = 8;
-
-// Batch entries of the tensors: one when varlen (packed rows).
-__host__ __device__ __forceinline__ int tensor_batches(AttnParams const& params) {
-    return params.cu_seqlens_q == nullptr ? params.b : 1;
-}
 
 template <typename Element>
 __global__ void __launch_bounds__(kPreprocessWarps * 32)

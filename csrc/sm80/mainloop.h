@@ -132,11 +132,17 @@ __device__ __forceinline__ void gemm_rs(TiledMma const& mma, Acc& acc, RegA cons
     }
 }
 
-// The m16n8 accumulator ((2 cols, 2 rows), MMA_M, MMA_N) seen as (rows, cols) = ((2, MMA_M), (2, MMA_N)).
+// An accumulator seen as (rows, cols): m16n8's ((2 cols, 2 rows), MMA_M, MMA_N) as ((2, MMA_M), (2, MMA_N)), and
+// wgmma's m64nN ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) as ((2, MMA_M), (2, N / 8, MMA_N)).
 template <class Layout>
 __device__ __forceinline__ constexpr auto rowcol_layout(Layout const& acc) {
     static_assert(decltype(rank(acc))::value == 3);
-    return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)), make_layout(get<0, 0>(acc), get<2>(acc)));
+    if constexpr (decltype(rank(get<0>(acc)))::value == 2) {
+        return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)), make_layout(get<0, 0>(acc), get<2>(acc)));
+    } else {
+        return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                           make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+    }
 }
 
 template <class Tensor_>

@@ -1,0 +1,66 @@
+// SM90-tier forward launch: TMA descriptors built on the host from the params, the tile per head dim, the launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "../common/block_scheduler.h"
+#include "../common/params.h"
+#include "fwd_kernel.h"
+#include "tile_traits.h"
+
+namespace flash::sm90 {
+
+template <class Traits>
+cudaError_t launch_fwd(FwdParams const& params, cudaStream_t stream) {
+    using Element = typename Traits::Element;
+    int const entries = tensor_batches(params);
+    auto gmem = [&](void const* ptr, int rows, int heads, int64_t row_stride, int64_t head_stride,
+                    int64_t batch_stride) {
+        return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_shape(rows, params.d, heads, entries),
+                           make_stride(row_stride, _1{}, head_stride, batch_stride));
+    };
+    FwdKernelParams<Traits> const args{
+        params,
+        make_tma_copy(SM90_TMA_LOAD{},
+                      gmem(params.q, params.sq, params.h, params.q_row_stride, params.q_head_stride,
+                           params.q_batch_stride),
+                      typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{}),
+        make_tma_copy(SM90_TMA_LOAD{},
+                      gmem(params.k, params.sk, params.hk, params.k_row_stride, params.k_head_stride,
+                           params.k_batch_stride),
+                      take<0, 2>(typename Traits::SmemLayoutKV{}),
+                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}),
+        make_tma_copy(SM90_TMA_LOAD{},
+                      gmem(params.v, params.sk, params.hk, params.v_row_stride, params.v_head_stride,
+                           params.v_batch_stride),
+                      take<0, 2>(typename Traits::SmemLayoutKV{}),
+                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{})};
+
+    auto kernel = &fwd_kernel<Traits>;
+    constexpr int kSmem = Traits::kSmemBytes;
+    if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+        err != cudaSuccess) {
+        return err;
+    }
+    int64_t const num_blocks =
+        tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) * params.h;
+    if (num_blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
+    kernel<<<dim3(unsigned(num_blocks)), Traits::kNThreads, kSmem, stream>>>(args);
+    return cudaGetLastError();
+}
+
+// Tiles (kBlockM, kBlockN, K/V stages): two warpgroups of 64 query rows, the widest key block that fits two stages.
+template <int kHeadDim, typename Element>
+cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
+    if constexpr (kHeadDim == 256) {
+        return launch_fwd<FwdTraits<256, 128, 64, 2, Element>>(params, stream);
+    } else {
+        static_assert(kHeadDim == 64 || kHeadDim == 128, "no SM90 forward tile for this head dim");
+        return launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(params, stream);
+    }
+}
+
+}  // namespace flash::sm90

@@ -1,0 +1,74 @@
+// SM90-tier forward tile: wgmma (GMMA) atoms for S = Q K^T (both operands in shared memory) and O += P V (P in
+// registers), shared-memory layouts in the 128-byte-swizzled GMMA atoms that TMA writes, and the TMA copy types.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "../sm80/tile_traits.h"
+
+namespace flash::sm90 {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
+struct FwdTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kStages = kStages_;
+    static constexpr int kWarpGroups = kBlockM / 64;  // one warpgroup per 64 query rows
+    static constexpr int kNThreads = kWarpGroups * 128;
+    static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0 && kBlockN % 16 == 0);
+
+    using TiledMmaS = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+        Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+    // V is read MN-major (its head dim is contiguous), so no transpose is needed.
+    using TiledMmaO = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                             GMMA::Major::MN>(),
+        Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+
+    // Head dims are multiples of 64 elements: rows of 128 bytes, the widest swizzle.
+    using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                               Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using SmemLayoutKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+    // V as the (head dim, key) B operand of O += P V over the same bytes.
+    using SmemLayoutVt = decltype(composition(
+        SmemLayoutKV{},
+        make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+    // Global tensors as TMA sees them: (rows, head dim, heads, batch entries).
+    using GmemShape = Shape<int, int, int, int>;
+    using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+    using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{},
+                                            GmemStride{}));
+    using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                        Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+    using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
+                                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+    static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
+    static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
+
+    // The epilogue's pieces, shared with the SM80 tier's store_tile: O goes through Q's shared memory.
+    using EpilogueBase = sm80::TileBase<kHeadDim, kNThreads / 32, Element>;
+    using SmemCopyAtomO = typename EpilogueBase::SmemCopyAtomO;
+    using GmemTiledCopyO = typename EpilogueBase::GmemTiledCopyO;
+
+    struct SharedStorage {
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
+        uint64_t bar_q;
+        uint64_t bar_k[kStages];
+        uint64_t bar_v[kStages];
+    };
+    static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+};
+
+}  // namespace flash::sm90
