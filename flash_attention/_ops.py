@@ -93,8 +93,8 @@ def select_tier(capability: Sequence[int], override: Optional[str] = None) -> st
                 f"this GPU of compute capability {cc[0]}.{cc[1]}"
             )
         return tier
-    # The SM80 tier is the only one built so far; SM90 for (9, 0) and SM100 for (10, x) will take over here.
-    return "sm80"
+    # The SM100 tier for (10, x) will take over here once it exists.
+    return "sm90" if cc == (9, 0) else "sm80"
 
 
 def check_kernel_available(available, tier: str, head_dim: int, dtype_name: str, direction: str = "fwd") -> None:
@@ -122,22 +122,25 @@ def resolve_tier(device: torch.device, tier: Optional[str], head_dim: int, dtype
     """The tier that runs on `device`, checked to be built for this head dim, dtype and direction. Resolved inside the
     ops rather than by the caller so that FLASH_ATTN_TIER is read at run time, also under torch.compile."""
     available = available_kernels()
-    tier_name = routed_tier(available, select_tier(torch.cuda.get_device_capability(device), requested_tier(tier)),
-                            head_dim, DTYPE_NAMES[dtype], direction)
+    override = requested_tier(tier)
+    tier_name = routed_tier(available, select_tier(torch.cuda.get_device_capability(device), override), head_dim,
+                            DTYPE_NAMES[dtype], direction, override is not None)
     check_kernel_available(available, tier_name, head_dim, DTYPE_NAMES[dtype], direction)
     return tier_name
 
 
-def routed_tier(available, tier: str, head_dim: int, dtype_name: str, direction: str) -> str:
-    """A newer tier serves only some of the work (the SM90 tier: the forward for head dims 64, 128 and 256); when it is
-    built, the rest is routed to the SM80 tier, which runs on every supported GPU and shares the lse convention, so
-    a forward on one tier and its backward on the other agree. A tier that is not built at all is left to
-    check_kernel_available's error."""
+def routed_tier(available, tier: str, head_dim: int, dtype_name: str, direction: str, requested: bool) -> str:
+    """A newer tier serves only some of the work (the SM90 tier: the forward for head dims 64, 128 and 256); the rest
+    is routed to the SM80 tier, which runs on every supported GPU and shares the lse convention, so a forward on one
+    tier and its backward on the other agree. So is all of it when the default tier was not built (e.g.
+    FLASH_ATTN_CUDA_ARCHS=80); a requested tier that was not built is left to check_kernel_available's error."""
     def built(name):
         return (TIER_IDS[name], direction, kernel_head_dim(head_dim), dtype_name) in available
 
     tier_built = any(t == TIER_IDS[tier] for (t, _, _, _) in available)
-    return "sm80" if tier != "sm80" and tier_built and not built(tier) and built("sm80") else tier
+    if tier != "sm80" and (tier_built or not requested) and not built(tier) and built("sm80"):
+        return "sm80"
+    return tier
 
 
 def kernel_operand(t: torch.Tensor) -> torch.Tensor:

@@ -259,7 +259,28 @@ def cc_id(cc):
 
 @pytest.mark.parametrize("cc", [(8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0), (12, 1)], ids=cc_id)
 def test_default_tier(cc):
-    assert _ops.select_tier(cc) == "sm80"
+    assert _ops.select_tier(cc) == ("sm90" if cc == (9, 0) else "sm80")
+
+
+SM90_AND_SM80 = frozenset({(90, "fwd", 128, "bf16"), (80, "fwd", 128, "bf16"), (80, "fwd", 96, "bf16"),
+                           (80, "bwd", 128, "bf16")})
+
+
+@pytest.mark.parametrize(
+    "available, tier, head_dim, direction, requested, expected",
+    [
+        (SM90_AND_SM80, "sm90", 128, "fwd", False, "sm90"),
+        (SM90_AND_SM80, "sm90", 96, "fwd", False, "sm80"),  # a head dim the SM90 tier lacks
+        (SM90_AND_SM80, "sm90", 128, "bwd", False, "sm80"),  # no SM90 backward: the SM80 one
+        (SM90_AND_SM80, "sm90", 96, "fwd", True, "sm80"),  # requested, built, but not for this head dim
+        (SM90_AND_SM80 - {(90, "fwd", 128, "bf16")}, "sm90", 128, "fwd", False, "sm80"),  # default tier not built
+        (SM90_AND_SM80 - {(90, "fwd", 128, "bf16")}, "sm90", 128, "fwd", True, "sm90"),  # requested: error later
+        (SM90_AND_SM80, "sm80", 128, "fwd", False, "sm80"),
+        (frozenset({(90, "fwd", 128, "bf16")}), "sm90", 96, "fwd", False, "sm90"),  # nothing to route to: error later
+    ],
+)
+def test_routed_tier(available, tier, head_dim, direction, requested, expected):
+    assert _ops.routed_tier(available, tier, head_dim, "bf16", direction, requested) == expected
 
 
 @pytest.mark.parametrize("cc", [(7, 5), (7, 0), (6, 1)], ids=cc_id)
