@@ -271,35 +271,13 @@ def run_varlen(args, dtype, backward, flops_factor):
         refs = None if args.no_check else varlen_reference(q, k, v, causal, lengths, dout)
         row = dict(mix=mix, lengths=lengths, b=len(lengths), total=total, max_seqlen=max(lengths), h=h, hk=h, d=d,
                    causal=causal, dtype=args.dtype, mode=args.mode, flops=flops)
-        bad = set()
-        runnable = {}
-        for name, bind in binders.items():
-            row[f"{name}_tflops"] = None
-            if name == "ours_batched" and len(set(lengths)) != 1:
-                continue  # only the equal mix has a batched layout without padding (n/a in the others)
-            try:
-                attn = bind(lengths)
-                results, call = prepare_call(args.mode, attn, q, k, v, causal, dout)
-                if not all(torch.isfinite(t).all() for t in results.values()):
-                    raise RuntimeError("non-finite output")
-                if refs is not None:
-                    errors = varlen_relative_errors(results, refs)
-                    row.update({f"{name}_relerr" + ("" if key == "out" else f"_{key}"): error
-                                for key, error in errors.items()})
-                    if not all(error <= RELERR_LIMIT for error in errors.values()):
-                        bad.add(name)
-                del results
-                runnable[name] = call
-            except Exception as e:  # one failing provider must not stop the others
-                row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        for name, ms in time_providers_ms(runnable, args.warmup, args.iters, args.rounds, rng).items():
-            row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
-            row[f"{name}_ms"] = ms
-        for num, den, key in ratios:
-            mine, theirs = row[f"{num}_tflops"], row[f"{den}_tflops"]
-            row[key] = mine / theirs if mine and theirs else None
+        # Only the equal mix has a batched layout without padding (n/a in the others).
+        attns = {name: functools.partial(bind, lengths) for name, bind in binders.items()
+                 if name != "ours_batched" or len(set(lengths)) == 1}
+        check = None if refs is None else functools.partial(varlen_relative_errors, refs=refs)
+        bad = measure_row(row, attns, names, args, q, k, v, causal, dout, check, flops, ratios, rng)
         rows.append(row)
-        del q, k, v, dout, refs, runnable
+        del q, k, v, dout, refs
 
         cells = [mix, str(len(lengths)), str(max(lengths)), str(h), str(d), "yes" if causal else "no"]
         cells += [fmt(row[f"{n}_tflops"], ".1f") + ("!" if n in bad else "") for n in names]
@@ -473,6 +451,39 @@ def plot(rows, providers, path, what):
     print(f"plot written to {path}")
 
 
+def measure_row(row, attns, names, args, q, k, v, causal, dout, check, flops, ratios, rng):
+    """One shape of either sweep: each provider (`attns`: name -> a function returning its attention callable) is
+    run once and checked (`check(results)` -> relative error per output, or None to skip), the ones that ran are
+    timed together, and `row` gets their TFLOPS, ms, errors and the ratio columns. Returns the providers whose check
+    failed."""
+    bad, runnable = set(), {}
+    for name in names:
+        row[f"{name}_tflops"] = None
+    for name, make_attn in attns.items():
+        try:
+            results, call = prepare_call(args.mode, make_attn(), q, k, v, causal, dout)
+            if not all(torch.isfinite(t).all() for t in results.values()):
+                raise RuntimeError("non-finite output")
+            if check is not None:
+                errors = check(results)
+                # The forward's key stays {name}_relerr, as before the backward modes; gradients add a suffix.
+                row.update({f"{name}_relerr" + ("" if key == "out" else f"_{key}"): error
+                            for key, error in errors.items()})
+                if not all(error <= RELERR_LIMIT for error in errors.values()):
+                    bad.add(name)
+            del results
+            runnable[name] = call
+        except Exception as e:  # one failing provider must not stop the others
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    for name, ms in time_providers_ms(runnable, args.warmup, args.iters, args.rounds, rng).items():
+        row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
+        row[f"{name}_ms"] = ms
+    for num, den, key in ratios:
+        mine, theirs = row[f"{num}_tflops"], row[f"{den}_tflops"]
+        row[key] = mine / theirs if mine and theirs else None
+    return bad
+
+
 def run_batched(args, dtype, backward, flops_factor):
     """The batched sweep (the default): returns (rows, provider names, ratio columns)."""
     providers = {}
@@ -503,30 +514,9 @@ def run_batched(args, dtype, backward, flops_factor):
         flops = flops_factor * 4 * b * h * sq * sk * d / (2 if causal else 1)
         ref = None if args.no_check else reference_subset(q, k, v, causal, dout)
         row = dict(b=b, sq=sq, sk=sk, h=h, hk=hk, d=d, causal=causal, dtype=args.dtype, mode=args.mode)
-        bad = set()
-        runnable = {}
-        for name, attn in providers.items():
-            row[f"{name}_tflops"] = None
-            try:
-                results, call = prepare_call(args.mode, attn, q, k, v, causal, dout)
-                if not all(torch.isfinite(t).all() for t in results.values()):
-                    raise RuntimeError("non-finite output")
-                if ref is not None:
-                    errors = relative_errors(results, ref)
-                    # The forward's key stays {name}_relerr, as before the backward modes; gradients add a suffix.
-                    row.update({f"{name}_relerr" + ("" if key == "out" else f"_{key}"): error
-                                for key, error in errors.items()})
-                    if not all(error <= RELERR_LIMIT for error in errors.values()):
-                        bad.add(name)
-                del results
-                runnable[name] = call
-            except Exception as e:  # one failing provider must not stop the others
-                row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        for name, ms in time_providers_ms(runnable, args.warmup, args.iters, args.rounds, rng).items():
-            row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
-        for num, den, key in ratios:
-            mine, theirs = row[f"{num}_tflops"], row[f"{den}_tflops"]
-            row[key] = mine / theirs if mine and theirs else None
+        attns = {name: (lambda attn=attn: attn) for name, attn in providers.items()}
+        check = None if ref is None else functools.partial(relative_errors, ref=ref)
+        bad = measure_row(row, attns, names, args, q, k, v, causal, dout, check, flops, ratios, rng)
         rows.append(row)
 
         cells = [str(b), str(sq), str(sk), str(h), str(hk), str(d), "yes" if causal else "no"]

@@ -140,14 +140,10 @@ def case_kwargs(case, alibi):
 def require_kernel(d, dtype, direction="fwd"):
     """Skip when the build was restricted (FLASH_ATTN_HEAD_DIMS) and lacks the kernel for this head dim; direction is
     "fwd" or "bwd"."""
-    override = _ops.requested_tier(None)
-    available = _ops.available_kernels()
-    head_dim, dtype_name = -(-d // 8) * 8, _ops.DTYPE_NAMES[dtype]
-    tier = _ops.routed_tier(available, _ops.select_tier(torch.cuda.get_device_capability(), override), head_dim,
-                            dtype_name, direction, override is not None)
-    key = (_ops.TIER_IDS[tier], direction, _ops.kernel_head_dim(head_dim), dtype_name)
-    if key not in available:
-        pytest.skip(f"kernel {key} not built (FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS)")
+    try:  # the ops' own tier choice (override, routing), whose error says which kernel the build lacks
+        _ops.resolve_tier(torch.device("cuda"), None, -(-d // 8) * 8, dtype, direction)
+    except RuntimeError as e:
+        pytest.skip(f"not built (FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS): {e}")
 
 
 def _poison_blocks(shapes, itemsizes):
