@@ -68,8 +68,9 @@ def compile_kernels(build_dir: Path) -> list[str]:
     for source, archs, tier in kernel_jobs():
         obj = build_dir / (source.stem + ".o")
         # A tier's PTX is for its own arch, so that newer GPUs can JIT it; arch-specific tiers ship none.
-        suffix = generate_kernels.TIERS[tier].arch_suffix
-        cmd = build_config.nvcc_command(source, obj, archs, None if suffix else tier, suffix)
+        spec = generate_kernels.TIERS[tier]
+        cmd = build_config.nvcc_command(source, obj, archs, None if spec.arch_suffix else tier, spec.arch_suffix,
+                                        spec.defines)
         stamp = obj.with_suffix(".stamp")
         key = hashlib.sha256((" ".join(cmd) + digests[tier] + source.read_text()).encode()).hexdigest()
         objects.append(str(obj))

@@ -21,7 +21,8 @@ def main() -> int:
         tier = generate_kernels.TIERS[src.tier]
         arch = tier.archs[0]
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = build_config.nvcc_command(src.path, Path(tmp) / "k.o", [arch], None, tier.arch_suffix)
+            cmd = build_config.nvcc_command(src.path, Path(tmp) / "k.o", [arch], None, tier.arch_suffix,
+                                            tier.defines)
             t0 = time.time()
             res = subprocess.run(cmd, capture_output=True, text=True)
         report = [l for l in res.stderr.splitlines() if re.search(r"registers|spill|Compiling entry", l)]

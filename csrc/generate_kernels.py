@@ -37,13 +37,16 @@ class Tier:
     header_dirs: tuple[str, ...]  # folders of csrc/ (beside common/) whose headers its kernels include
     head_dims: tuple[int, ...] = HEAD_DIMS
     arch_suffix: str = ""  # "a": arch-specific instructions (wgmma, setmaxnreg), so no portable PTX either
+    defines: tuple[str, ...] = ()  # preprocessor macros for its kernel files
 
 
 TIERS = {
     80: Tier("flash::sm80", (80, 86, 87, 89, 90, 120, 121),
              {"fwd": "sm80/fwd_launch.h", "bwd": "sm80/bwd_launch.h"}, ("sm80",)),
-    # The SM90 forward reuses the SM80 tier's epilogue and accumulator views.
-    90: Tier("flash::sm90", (90,), {"fwd": "sm90/fwd_launch.h"}, ("sm90", "sm80"), (64, 128, 256), "a"),
+    # The SM90 forward reuses the SM80 tier's epilogue and accumulator views; its key blocks of 80 or 176 columns
+    # need CuTe's wgmma shapes with N not a power of two.
+    90: Tier("flash::sm90", (90,), {"fwd": "sm90/fwd_launch.h"}, ("sm90", "sm80"), (64, 128, 256), "a",
+             ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",)),
 }
 
 TEMPLATE = """\

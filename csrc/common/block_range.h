@@ -35,6 +35,8 @@ struct AttnWindow {
     }
 };
 
+__host__ __device__ inline int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
 template <int kBlockM, int kBlockN>
 struct BlockRange {
     // Key blocks [lo, hi) that query tile m_block visits.
@@ -58,6 +60,16 @@ struct BlockRange {
         return c0 + kBlockN > w.sk ||
                (w.right >= 0 && c0 + kBlockN - 1 > r0 + w.diag_offset() + w.right) ||
                (w.left >= 0 && c0 < r0 + kBlockM - 1 + w.diag_offset() - w.left);
+    }
+
+    // The key blocks [lo, hi) of query tile m_block for which needs_mask is false (not clipped to n_blocks), so that
+    // a main loop can run them without mask code.
+    __host__ __device__ static Interval unmasked_n_blocks(AttnWindow const& w, int m_block) {
+        int const r0 = m_block * kBlockM;
+        int hi = w.sk / kBlockN;
+        if (w.right >= 0) { hi = cute::min(hi, floor_div(r0 + w.diag_offset() + w.right + 1, kBlockN)); }
+        int const lo = w.left >= 0 ? -floor_div(-(r0 + kBlockM - 1 + w.diag_offset() - w.left), kBlockN) : 0;
+        return {lo, cute::max(lo, hi)};
     }
 };
 

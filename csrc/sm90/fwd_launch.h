@@ -52,11 +52,12 @@ cudaError_t launch_fwd(FwdParams const& params, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// Tiles (kBlockM, kBlockN, K/V stages): two warpgroups of 64 query rows, the widest key block that fits two stages.
+// Tiles (kBlockM, kBlockN, K/V stages): two consumer warpgroups of 64 query rows; for d 256 the widest key block
+// whose two K and V stages fit beside Q (224 KB).
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
     if constexpr (kHeadDim == 256) {
-        return launch_fwd<FwdTraits<256, 128, 64, 2, Element>>(params, stream);
+        return launch_fwd<FwdTraits<256, 128, 80, 2, Element>>(params, stream);
     } else {
         static_assert(kHeadDim == 64 || kHeadDim == 128, "no SM90 forward tile for this head dim");
         return launch_fwd<FwdTraits<kHeadDim, 128, 128, 2, Element>>(params, stream);

@@ -1,13 +1,16 @@
-// SM90-tier forward tile: wgmma (GMMA) atoms for S = Q K^T (both operands in shared memory) and O += P V (P in
-// registers), shared-memory layouts in the 128-byte-swizzled GMMA atoms that TMA writes, and the TMA copy types.
+// SM90-tier forward tile: the warp roles and their register budgets, wgmma (GMMA) atoms for S = Q K^T (both operands
+// in shared memory) and O += P V (P in registers), shared-memory layouts in the 128-byte-swizzled GMMA atoms that TMA
+// writes, the TMA copy types and the K / V rings.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
 #include "../sm80/tile_traits.h"
+#include "pipeline.h"
 
 namespace flash::sm90 {
 
@@ -20,18 +23,30 @@ struct FwdTraits {
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kStages = kStages_;
-    static constexpr int kWarpGroups = kBlockM / 64;  // one warpgroup per 64 query rows
-    static constexpr int kNThreads = kWarpGroups * 128;
+    // Warpgroup 0 loads (one thread issues every TMA); each consumer warpgroup owns 64 query rows.
+    static constexpr int kConsumerWarpGroups = kBlockM / 64;
+    static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
+    static constexpr int kNThreads = kConsumerThreads + 128;
     static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0 && kBlockN % 16 == 0);
+    static_assert(kConsumerWarpGroups == 2, "the register split below is for two consumer warpgroups");
+    // setmaxnreg budgets (multiples of 8, 128 * (24 + 2 * 240) <= 64K registers): the producer needs few.
+    static constexpr int kProducerRegisters = 24;
+    static constexpr int kConsumerRegisters = 240;
+    // Consumer warpgroups take turns issuing their GEMMs, so that one's softmax runs under the other's GEMMs. Past
+    // d 128 the O GEMM is long enough to hide the softmax within a warpgroup, and the turns only add waits.
+    static constexpr bool kPingPong = kHeadDim <= 128;
+    // With a wide O accumulator, rescaling it right after the O GEMM would sit on the critical path; rescale it
+    // before the next one instead, while the S GEMM runs.
+    static constexpr bool kRescaleBeforeGemm = kHeadDim > 128;
 
     using TiledMmaS = decltype(make_tiled_mma(
         GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
-        Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+        Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>{}));
     // V is read MN-major (its head dim is contiguous), so no transpose is needed.
     using TiledMmaO = decltype(make_tiled_mma(
         GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
                              GMMA::Major::MN>(),
-        Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+        Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>{}));
 
     // Head dims are multiples of 64 elements: rows of 128 bytes, the widest swizzle.
     using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
@@ -55,18 +70,19 @@ struct FwdTraits {
     static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
 
-    // The epilogue's pieces, shared with the SM80 tier's store_tile: O goes through Q's shared memory.
-    using EpilogueBase = sm80::TileBase<kHeadDim, kNThreads / 32, Element>;
+    // The epilogue's pieces, shared with the SM80 tier's store_tile: the consumers store O through Q's shared memory.
+    using EpilogueBase = sm80::TileBase<kHeadDim, kConsumerThreads / 32, Element>;
     using SmemCopyAtomO = typename EpilogueBase::SmemCopyAtomO;
     using GmemTiledCopyO = typename EpilogueBase::GmemTiledCopyO;
+    __device__ __forceinline__ static void sync_epilogue() { sync_consumers<kConsumerThreads>(); }
 
     struct SharedStorage {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
-        uint64_t bar_q;
-        uint64_t bar_k[kStages];
-        uint64_t bar_v[kStages];
+        uint64_t q_full;
+        TmaRing<kStages> k_ring;
+        TmaRing<kStages> v_ring;
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };

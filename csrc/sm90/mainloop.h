@@ -1,0 +1,227 @@
+// SM90-tier forward main loop, by role. The producer (one thread) loads Q and streams K and V blocks through their
+// rings with TMA, in the order the consumers use them: K(n), then V(n + 1). Each consumer warpgroup runs, per key block
+// n (last-first, so the masked diagonal blocks come first):
+//     S(n) = Q K(n)^T issued, O += P(n + 1) V(n + 1) issued      (in the warpgroups' GEMM turns)
+//     wait for S(n); scores, mask, row max and exponentials        (overlaps the O GEMM)
+//     wait for the O GEMM; rescale O; P(n) = S(n) in registers
+// so the softmax of one block hides under the P V GEMM of the previous one, and under the other warpgroup's GEMMs.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "../common/block_range.h"
+#include "../common/mask.h"
+#include "../common/params.h"
+#include "../common/score_mod.h"
+#include "../common/seqlen.h"
+#include "../common/softmax.h"
+#include "../sm80/mainloop.h"
+#include "pipeline.h"
+#include "tile_traits.h"
+
+namespace flash::sm90 {
+
+using namespace cute;
+
+template <class Traits>
+struct FwdKernelParams {
+    FwdParams p;
+    typename Traits::TmaQ tma_q;
+    typename Traits::TmaKV tma_k;
+    typename Traits::TmaKV tma_v;
+};
+
+// The registers of an m64nN accumulator ((2, 2, N / 8), MMA_M, MMA_N) read as the A operand of an m64nKk16 wgmma
+// ((2, 2, 2), MMA_M, K / 16): two n8 blocks form one k16 slice, so P never leaves registers.
+template <class Layout>
+__device__ __forceinline__ constexpr auto acc_as_a_operand(Layout const& acc) {
+    auto l = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});
+    return make_layout(make_layout(get<0>(l), get<1>(l), get<2, 0>(l)), get<1>(acc),
+                       coalesce(make_layout(get<2, 1>(l), get<2>(acc))));
+}
+
+// Issues acc (+)= A B over every k slice as one wgmma batch of this warpgroup; the caller waits with
+// warpgroup_wait<N>, so that the GEMM runs while it works.
+template <bool kZeroInit, class TiledMma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void gemm(TiledMma& tiled_mma, FragA& a, FragB const& b, Acc& acc) {
+    constexpr bool kAInRegisters = !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
+    if constexpr (kAInRegisters) { warpgroup_fence_operand(a); }
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    tiled_mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(a); ++k) {
+        cute::gemm(tiled_mma, a(_, _, k), b(_, _, k), acc);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(acc);
+    if constexpr (kAInRegisters) { warpgroup_fence_operand(a); }
+}
+
+// Producer (one thread): Q, then K(n) and V(n + 1) for every key block n of the tile, last-first. Rows past the
+// tensor arrive as zeros; rows of the next packed sequence are masked (keys) or zeroed (values, see consume()).
+template <class Traits>
+__device__ __forceinline__ void load(FwdKernelParams<Traits> const& args, typename Traits::SharedStorage& shared,
+                                     SeqlenInfo const& seq, TileCoord const& blk, Interval n_range) {
+    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    FwdParams const& params = args.p;
+    int const head_kv = blk.head / params.h_per_hk;
+    // TMA coordinates: (row, col, head, batch entry), this sequence's rows first.
+    int const entry = params.cu_seqlens_q == nullptr ? seq.batch : 0;
+    Tensor mQ = args.tma_q.get_tma_tensor(make_shape(params.sq, params.d, params.h, tensor_batches(params)));
+    Tensor mK = args.tma_k.get_tma_tensor(make_shape(params.sk, params.d, params.hk, tensor_batches(params)));
+    Tensor mV = args.tma_v.get_tma_tensor(make_shape(params.sk, params.d, params.hk, tensor_batches(params)));
+    Tensor gQ = local_tile(domain_offset(make_coord(seq.q.start, _0{}), mQ(_, _, blk.head, entry)),
+                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(blk.block, _0{}));
+    Tensor gK = local_tile(domain_offset(make_coord(seq.k.start, _0{}), mK(_, _, head_kv, entry)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, D, n)
+    Tensor gV = local_tile(domain_offset(make_coord(seq.k.start, _0{}), mV(_, _, head_kv, entry)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+    auto tma_q = args.tma_q.get_slice(_0{});
+    auto tma_k = args.tma_k.get_slice(_0{});
+    auto tma_v = args.tma_v.get_slice(_0{});
+    Tensor tKgK = tma_k.partition_S(gK);  // (TMA, 1, 1, n)
+    Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, stage)
+    Tensor tVgV = tma_v.partition_S(gV);
+    Tensor tVsV = tma_v.partition_D(sV);
+
+    // Q is read once per tile; K and V blocks are shared by the query tiles of a head, so they stay in L2.
+    constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.q_full, Traits::kQBytes);
+    copy(args.tma_q.with(shared.q_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_q.partition_S(gQ),
+         tma_q.partition_D(sQ));
+    RingState<Traits::kStages> k_state, v_state;
+    auto load_v = [&](int n_block) {
+        copy(args.tma_v.with(shared.v_ring.acquire(v_state, Traits::kKVBytes), 0, kKeep), tVgV(_, _, _, n_block),
+             tVsV(_, _, _, v_state.index));
+        v_state.advance();
+    };
+    for (int n_block = n_range.hi - 1; n_block >= n_range.lo; --n_block) {
+        copy(args.tma_k.with(shared.k_ring.acquire(k_state, Traits::kKVBytes), 0, kKeep), tKgK(_, _, _, n_block),
+             tKsK(_, _, _, k_state.index));
+        k_state.advance();
+        if (n_block + 1 < n_range.hi) { load_v(n_block + 1); }
+    }
+    load_v(n_range.lo);
+}
+
+// Consumer warpgroups (ctid: thread index among them): accumulates this tile's unnormalised output in acc_o and the
+// running row max / sum in softmax, over key blocks n_range (not empty).
+template <class Traits, class AccO, class Softmax>
+__device__ __forceinline__ void consume(FwdParams const& params, typename Traits::SharedStorage& shared,
+                                        AttnWindow const& window, int m_block, Interval n_range, float alibi_slope,
+                                        int ctid, AccO& acc_o, Softmax& softmax) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    constexpr int kStages = Traits::kStages;
+    using Range = BlockRange<kBlockM, kBlockN>;
+
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+    Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutVt{});
+    typename Traits::TiledMmaS mma_s;
+    typename Traits::TiledMmaO mma_o;
+    auto thr_s = mma_s.get_thread_slice(ctid);
+    auto thr_o = mma_o.get_thread_slice(ctid);
+    Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+    Tensor tSrK = thr_s.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
+    Tensor tOrVt = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor coord_s_rc = sm80::rowcol_view(
+        thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+    auto acc_o_rc = sm80::rowcol_view(acc_o);
+    constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+    int const row0 = m_block * kBlockM;
+    using AccSLayout = decltype(partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
+    // P of the previous key block, kept in registers as the A operand of the next O GEMM.
+    Tensor tOrP = make_tensor<Element>(acc_as_a_operand(AccSLayout{}));
+    float alpha[kRows];
+
+    GemmTurns<Traits::kConsumerWarpGroups, Traits::kPingPong> const turns{ctid / 128};
+    turns.init();
+    RingState<kStages> k_state, v_state;
+    int n_block = n_range.hi - 1;
+
+    cutlass::arch::ClusterTransactionBarrier::wait(&shared.q_full, 0);
+    if (n_block * kBlockN + kBlockN > window.sk) {
+        // The first block's V rows past this sequence's keys hold other data (or, past seqused, anything: NaN * 0
+        // is NaN): zero them before any O GEMM reads the stage.
+        shared.v_ring.wait(v_state);
+        int const rows_left = window.sk - n_block * kBlockN;
+        for (int idx = rows_left * kHeadDim + ctid; idx < kBlockN * kHeadDim; idx += Traits::kConsumerThreads) {
+            sV(idx / kHeadDim, idx % kHeadDim, v_state.index) = Element(0);
+        }
+        cutlass::arch::fence_view_async_shared();
+        sync_consumers<Traits::kConsumerThreads>();
+    }
+
+    // Score mods and mask of S(n_block); `masked` is a bool or a compile-time constant.
+    auto scores = [&](auto& acc_s, int n_block, auto masked) __attribute__((always_inline)) {
+        auto s_rc = sm80::rowcol_view(acc_s);
+        int const col0 = n_block * kBlockN;
+        if (params.has_softcap) { apply_softcap(acc_s, params.softcap_pre); }
+        if (params.alibi_slopes != nullptr) {
+            apply_alibi(s_rc, coord_s_rc, row0, col0, window.diag_offset(), alibi_slope);
+        }
+        if (masked) { apply_mask(s_rc, coord_s_rc, window, row0, col0); }
+        softmax.max_and_scale(s_rc, params.scale_log2, alpha);
+        softmax.exponentiate(s_rc, params.scale_log2);
+    };
+    auto keep_p = [&](auto const& acc_s) __attribute__((always_inline)) {
+        Tensor p_acc = make_tensor(tOrP.data(), AccSLayout{});
+        copy(sm80::convert_fragment<Element>(acc_s), p_acc);
+    };
+
+    {  // The first block: S only.
+        Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        turns.wait();
+        shared.k_ring.wait(k_state);
+        gemm<true>(mma_s, tSrQ, tSrK(_, _, _, k_state.index), acc_s);
+        turns.pass();
+        warpgroup_wait<0>();
+        shared.k_ring.release(k_state);
+        k_state.advance();
+        scores(acc_s, n_block, Range::needs_mask(window, m_block, n_block));
+        keep_p(acc_s);
+    }
+    auto step = [&](int n_block, auto masked) __attribute__((always_inline)) {
+        Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        turns.wait();
+        shared.k_ring.wait(k_state);
+        gemm<true>(mma_s, tSrQ, tSrK(_, _, _, k_state.index), acc_s);
+        if constexpr (Traits::kRescaleBeforeGemm) { softmax.rescale(acc_o_rc, alpha); }
+        shared.v_ring.wait(v_state);
+        gemm<false>(mma_o, tOrP, tOrVt(_, _, _, v_state.index), acc_o);
+        turns.pass();
+        warpgroup_wait<1>();  // S(n) is done (wgmma batches complete in order)
+        shared.k_ring.release(k_state);
+        k_state.advance();
+        scores(acc_s, n_block, masked);
+        warpgroup_wait<0>();
+        shared.v_ring.release(v_state);
+        v_state.advance();
+        if constexpr (!Traits::kRescaleBeforeGemm) { softmax.rescale(acc_o_rc, alpha); }
+        keep_p(acc_s);
+    };
+    // Masked blocks come first (keys past the end, the causal or right window edge), then unmasked ones, then the
+    // blocks the left window edge crosses.
+    Interval const unmasked = Range::unmasked_n_blocks(window, m_block);
+    int const unmasked_hi = cute::max(n_range.lo, cute::min(unmasked.hi, n_range.hi));
+    int const unmasked_lo = cute::max(n_range.lo, cute::min(unmasked.lo, unmasked_hi));
+    for (--n_block; n_block >= unmasked_hi; --n_block) { step(n_block, cute::true_type{}); }
+    for (; n_block >= unmasked_lo; --n_block) { step(n_block, cute::false_type{}); }
+    for (; n_block >= n_range.lo; --n_block) { step(n_block, cute::true_type{}); }
+
+    if constexpr (Traits::kRescaleBeforeGemm) { softmax.rescale(acc_o_rc, alpha); }
+    shared.v_ring.wait(v_state);
+    gemm<false>(mma_o, tOrP, tOrVt(_, _, _, v_state.index), acc_o);
+    warpgroup_wait<0>();
+    shared.v_ring.release(v_state);
+}
+
+}  // namespace flash::sm90

@@ -1,0 +1,89 @@
+// SM90-tier synchronisation: rings of shared-memory stages that TMA fills (mbarriers), and the named barriers of the
+// consumer warpgroups (their common barrier, and the turns in which they issue GEMMs).
+#pragma once
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include <cstdint>
+
+namespace flash::sm90 {
+
+// A position in a ring of kStages buffers: the stage, and the parity of the pass over the ring.
+template <int kStages>
+struct RingState {
+    int index = 0;
+    uint32_t phase = 0;
+
+    __device__ __forceinline__ void advance() {
+        if (++index == kStages) {
+            index = 0;
+            phase ^= 1;
+        }
+    }
+};
+
+// kStages buffers filled by TMA: a stage's `full` barrier completes when its bytes have landed, its `empty` barrier
+// when every consumer warp has released it. Lives in shared memory.
+template <int kStages>
+struct TmaRing {
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+
+    __device__ __forceinline__ void init(int consumer_warps) {
+        for (int s = 0; s < kStages; ++s) {
+            cutlass::arch::ClusterTransactionBarrier::init(&full[s], 1);
+            cutlass::arch::ClusterBarrier::init(&empty[s], consumer_warps);
+        }
+    }
+
+    // Producer: waits until the stage is free (the first pass finds every stage free), announces the bytes its TMA
+    // will bring, and returns the barrier that the TMA completes.
+    __device__ __forceinline__ uint64_t& acquire(RingState<kStages> const& s, int bytes) {
+        cutlass::arch::ClusterBarrier::wait(&empty[s.index], s.phase ^ 1);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full[s.index], bytes);
+        return full[s.index];
+    }
+
+    __device__ __forceinline__ void wait(RingState<kStages> const& s) {
+        cutlass::arch::ClusterTransactionBarrier::wait(&full[s.index], s.phase);
+    }
+
+    // Consumer warp: its reads of the stage are complete.
+    __device__ __forceinline__ void release(RingState<kStages> const& s) {
+        if (cute::elect_one_sync()) { cutlass::arch::ClusterBarrier::arrive(&empty[s.index]); }
+    }
+};
+
+// Named barrier ids (after CUTLASS's reserved ones). The producer warpgroup never takes part.
+enum class NamedBarrierId : uint32_t { kConsumers = 0, kGemmTurn0 = 1 };
+
+template <int kConsumerThreads>
+__device__ __forceinline__ void sync_consumers() {
+    cutlass::arch::NamedBarrier::arrive_and_wait(kConsumerThreads, uint32_t(NamedBarrierId::kConsumers));
+}
+
+// Consumer warpgroups issue their GEMMs in turn, round-robin: each waits for its turn, issues, and passes the turn on,
+// so that the tensor cores run one warpgroup's GEMMs while the other computes its softmax. Warpgroup 0 starts.
+template <int kWarpGroups, bool kEnabled>
+struct GemmTurns {
+    int wg;
+
+    __device__ __forceinline__ uint32_t barrier(int w) const { return uint32_t(NamedBarrierId::kGemmTurn0) + w; }
+
+    __device__ __forceinline__ void init() const {
+        if constexpr (kEnabled) {
+            if (wg == kWarpGroups - 1) { cutlass::arch::NamedBarrier::arrive(2 * 128, barrier(0)); }
+        }
+    }
+    __device__ __forceinline__ void wait() const {
+        if constexpr (kEnabled) { cutlass::arch::NamedBarrier::arrive_and_wait(2 * 128, barrier(wg)); }
+    }
+    __device__ __forceinline__ void pass() const {
+        if constexpr (kEnabled) {
+            cutlass::arch::NamedBarrier::arrive(2 * 128, barrier(wg + 1 == kWarpGroups ? 0 : wg + 1));
+        }
+    }
+};
+
+}  // namespace flash::sm90
