@@ -7,6 +7,7 @@ Environment:
   FLASH_ATTN_SKIP_CUDA_BUILD=1  install the Python package only (CPU-only machines, CI)
   FLASH_ATTN_CUDA_ARCHS         archs to build, default "80;90;120" (PTX for compute_80 is always embedded)
   FLASH_ATTN_HEAD_DIMS          kernel head dims to build, e.g. "128" (default: all)
+  FLASH_ATTN_DIRECTIONS         kernel directions to build, "fwd" or "bwd" (default: both)
   MAX_JOBS                      parallel nvcc jobs (default: cores, capped at one job per 6 GB of memory)
   CUTLASS_DIR                   CUTLASS checkout to use instead of 3rd/cutlass or the nvidia-cutlass package
 """
@@ -39,7 +40,8 @@ def kernel_jobs():
     """(source, archs, tier) for every instantiation the environment asks for."""
     archs = build_config.requested_archs()
     jobs = []
-    sources = generate_kernels.kernel_sources(head_dims=build_config.requested_head_dims())
+    sources = generate_kernels.kernel_sources(directions=build_config.requested_directions(),
+                                              head_dims=build_config.requested_head_dims())
     # Longest compiles first (backward before forward, large head dims first), so that no long job starts last.
     for src in sorted(sources, key=lambda s: (s.direction == "bwd", s.head_dim), reverse=True):
         tier_archs = [a for a in archs if a in generate_kernels.TIERS[src.tier].archs]

@@ -3,6 +3,7 @@
     compute-sanitizer --tool racecheck --kernel-name kns=bwd_kernel python3 benchmark/small_case.py 64 128
     compute-sanitizer --tool memcheck python3 benchmark/small_case.py --varlen 64 128
     compute-sanitizer --tool memcheck python3 benchmark/small_case.py --varlen --malformed 64
+    compute-sanitizer --tool racecheck --kernel-name kns=fwd_kernel python3 benchmark/small_case.py --fwd 64 128 256
 
 Sizes are small (the tools slow kernels down by orders of magnitude) but cover a partial query tile, a partial key
 block, GQA, a causal mask and the deterministic dQ order.
@@ -22,29 +23,36 @@ from flash_attention import flash_attn_func, flash_attn_varlen_func
 BF16 = torch.bfloat16
 
 
-def batched_case(d):
+def batched_case(d, backward):
     for deterministic in (False, True):
         q = torch.randn(1, 77, 4, d, dtype=BF16, device="cuda", requires_grad=True)
         k, v = (torch.randn(1, 150, 2, d, dtype=BF16, device="cuda", requires_grad=True) for _ in range(2))
         out = flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
-        out.backward(torch.randn_like(out))
+        if backward:
+            out.backward(torch.randn_like(out))
+    # Unmasked, with more query tiles (35 x 4) than an H100/H200 has SMs: the SM90 tier's persistent CTAs each take
+    # more than one tile.
+    q = torch.randn(1, 128 * 34 + 5, 4, d, dtype=BF16, device="cuda")
+    k, v = (torch.randn(1, 150, 2, d, dtype=BF16, device="cuda") for _ in range(2))
+    flash_attn_func(q, k, v)
 
 
 def int32(values):
     return torch.tensor(values, dtype=torch.int32, device="cuda")
 
 
-def varlen_call(d, cu_q, cu_k, total_q, total_k, deterministic, **kwargs):
+def varlen_call(d, cu_q, cu_k, total_q, total_k, deterministic, backward=True, **kwargs):
     """One forward + backward (lse in the loss) of flash_attn_varlen_func on random packed q, k, v (GQA 4:2)."""
     q = torch.randn(total_q, 4, d, dtype=BF16, device="cuda", requires_grad=True)
     k, v = (torch.randn(total_k, 2, d, dtype=BF16, device="cuda", requires_grad=True) for _ in range(2))
     out, lse, _ = flash_attn_varlen_func(q, k, v, int32(cu_q), int32(cu_k), 130, 200, deterministic=deterministic,
                                          return_attn_probs=True, **kwargs)
-    dlse = torch.randn_like(lse).masked_fill(torch.isinf(lse), 0.0)  # rows that see no key: lse -inf, unweighted
-    torch.autograd.backward((out, lse), (torch.randn_like(out), dlse))
+    if backward:
+        dlse = torch.randn_like(lse).masked_fill(torch.isinf(lse), 0.0)  # rows that see no key: lse -inf, unweighted
+        torch.autograd.backward((out, lse), (torch.randn_like(out), dlse))
 
 
-def varlen_case(d, malformed):
+def varlen_case(d, malformed, backward):
     seqlens_q = [0, 1, 77, 130, 5, 0]
     seqlens_k = [3, 0, 150, 64, 200, 0]
     cu_q, cu_k = [0], [0]
@@ -52,13 +60,13 @@ def varlen_case(d, malformed):
         cu_q.append(cu_q[-1] + n)
         cu_k.append(cu_k[-1] + m)
     total_q, total_k = cu_q[-1], cu_k[-1]
-    masks = (dict(causal=True), dict(window_size=(40, 7)))
+    masks = (dict(), dict(causal=True), dict(window_size=(40, 7)))
     for deterministic in (False, True):
         for mask in masks:
-            varlen_call(d, cu_q, cu_k, total_q, total_k, deterministic, **mask)
+            varlen_call(d, cu_q, cu_k, total_q, total_k, deterministic, backward, **mask)
             # seqused: part of each sequence's rows, and 9 rows after the last sequence that belong to none.
-            varlen_call(d, cu_q, cu_k, total_q + 9, total_k + 9, deterministic, seqused_q=int32([0, 1, 50, 129, 5, 0]),
-                        seqused_k=int32([2, 0, 150, 1, 120, 0]), **mask)
+            varlen_call(d, cu_q, cu_k, total_q + 9, total_k + 9, deterministic, backward,
+                        seqused_q=int32([0, 1, 50, 129, 5, 0]), seqused_k=int32([2, 0, 150, 1, 120, 0]), **mask)
     if malformed:
         bad = (
             ([0, 50, 1 << 20], [0, 60, 1 << 30], {}),  # past the end of q / k
@@ -68,7 +76,7 @@ def varlen_case(d, malformed):
         )
         for bad_q, bad_k, used in bad:
             for deterministic in (False, True):
-                varlen_call(d, bad_q, bad_k, 200, 200, deterministic, causal=True, **used)
+                varlen_call(d, bad_q, bad_k, 200, 200, deterministic, backward, causal=True, **used)
 
 
 def main():
@@ -76,14 +84,15 @@ def main():
     parser.add_argument("head_dims", type=int, nargs="*", default=[64])
     parser.add_argument("--varlen", action="store_true", help="run the varlen case instead of the batched one")
     parser.add_argument("--malformed", action="store_true", help="with --varlen: add out-of-range cu_seqlens calls")
+    parser.add_argument("--fwd", action="store_true", help="forward only (a build of the forward kernels only)")
     args = parser.parse_args()
     if args.malformed and not args.varlen:
         parser.error("--malformed goes with --varlen")
     for d in args.head_dims:
         if args.varlen:
-            varlen_case(d, args.malformed)
+            varlen_case(d, args.malformed, not args.fwd)
         else:
-            batched_case(d)
+            batched_case(d, not args.fwd)
     torch.cuda.synchronize()
     if args.varlen:
         print("done varlen" + (" + malformed" if args.malformed else ""), args.head_dims)

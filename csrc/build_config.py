@@ -48,6 +48,12 @@ def requested_head_dims() -> list[int] | None:
     return [int(x) for x in raw.replace(";", ",").split(",") if x.strip()] if raw else None
 
 
+def requested_directions() -> list[str] | None:
+    """FLASH_ATTN_DIRECTIONS, e.g. "fwd": build only these directions (for fast iteration on one of them)."""
+    raw = os.environ.get("FLASH_ATTN_DIRECTIONS")
+    return [x.strip() for x in raw.replace(";", ",").split(",") if x.strip()] if raw else None
+
+
 def nvcc_path() -> str:
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():

@@ -21,11 +21,11 @@ __device__ __forceinline__ void store_tile(TiledMma const& tiled_mma, Acc const&
     Tensor r = convert_fragment<typename Traits::Element>(acc);
     // `s` reuses an operand tile of the main loop (Q in the forward, K and V in the backward) that other threads may
     // still be reading.
-    Traits::sync_epilogue();
+    __syncthreads();
     auto smem_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
     auto smem_thr = smem_copy.get_thread_slice(tid);
     copy(smem_copy, smem_thr.retile_S(r), smem_thr.partition_D(s));
-    Traits::sync_epilogue();
+    __syncthreads();
 
     typename Traits::GmemTiledCopyO gmem_copy;
     auto gmem_thr = gmem_copy.get_thread_slice(tid);

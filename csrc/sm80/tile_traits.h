@@ -66,9 +66,6 @@ struct TileBase {
     using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
     // Accumulator fragments hold pairs of adjacent columns: 32-bit stores into shared memory.
     using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<2 * sizeof_bits_v<Element>>, Element>;
-    // The barrier of the threads that store an output tile together (a kernel whose other warps have other roles
-    // overrides it).
-    __device__ __forceinline__ static void sync_epilogue() { __syncthreads(); }
 };
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, typename Element_>

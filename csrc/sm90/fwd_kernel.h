@@ -1,6 +1,8 @@
-// SM90-tier forward kernel: one CTA computes a kBlockM x d output tile with a producer warpgroup (one thread issues
-// every TMA, the others leave) and kBlockM / 64 consumer warpgroups (wgmma, softmax, epilogue); setmaxnreg moves the
-// producer's registers to the consumers. The roles' code is in mainloop.h.
+// SM90-tier forward kernel: a CTA of one producer warpgroup (one thread issues every TMA; setmaxnreg gives its
+// registers to the consumers) and kBlockM / 64 consumer warpgroups (wgmma, softmax, epilogue) computes kBlockM x d
+// output tiles. The grid is persistent: CTA i takes tiles i, i + gridDim.x, ... in the order of decode_tile (query
+// blocks last-first, so causal tiles come longest first), and its producer loads the next tile's Q, K and V while
+// the consumers finish the current one. The roles' code is in mainloop.h and epilogue.h.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -12,8 +14,9 @@
 #include "../common/params.h"
 #include "../common/seqlen.h"
 #include "../common/softmax.h"
-#include "../sm80/epilogue.h"
+#include "epilogue.h"
 #include "mainloop.h"
+#include "pipeline.h"
 #include "tile_traits.h"
 
 namespace flash::sm90 {
@@ -32,45 +35,70 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
     int const tid = threadIdx.x;
 
-    TileCoord const blk =
-        decode_tile<kBlockM>(blockIdx.x, params.cu_seqlens_q, params.seqused_q, params.sq, params.b, params.h, true);
-    if (!blk.valid) { return; }
-    SeqlenInfo const seq(params, blk.batch);
-    AttnWindow const window = seq.window(params);
-    Interval const n_range = BlockRange<kBlockM, kBlockN>::n_blocks(window, blk.block);
-
     if (tid == 0) {
         cutlass::arch::ClusterTransactionBarrier::init(&shared.q_full, 1);
+        cutlass::arch::ClusterBarrier::init(&shared.q_empty, Traits::kConsumerThreads / 32);
         shared.k_ring.init(Traits::kConsumerThreads / 32);
         shared.v_ring.init(Traits::kConsumerThreads / 32);
         cutlass::arch::fence_barrier_init();
     }
     __syncthreads();
 
+    // Every lane of a warp decodes (varlen decoding is a warp scan); tiles past the last real one come back invalid.
+    struct Tile {
+        TileCoord blk;
+        SeqlenInfo seq;
+        AttnWindow window;
+        Interval n_range;
+    };
+    auto tile_at = [&](int idx) {
+        TileCoord const blk = decode_tile<kBlockM>(idx, params.cu_seqlens_q, params.seqused_q, params.sq, params.b,
+                                                   params.h, true);
+        SeqlenInfo const seq(params, blk.batch);
+        AttnWindow const window = seq.window(params);
+        return Tile{blk, seq, window, BlockRange<kBlockM, kBlockN>::n_blocks(window, blk.block)};
+    };
+    PipelineState<Traits::kStages> state;
+
     if (tid < 128) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-        if (tid < 32 && cute::elect_one_sync() && !n_range.empty()) { load<Traits>(args, shared, seq, blk, n_range); }
+        if (tid < 32) {
+            bool const leader = cute::elect_one_sync();
+            for (int idx = blockIdx.x; idx < args.num_tiles; idx += gridDim.x) {
+                Tile const t = tile_at(idx);
+                if (!t.blk.valid) { break; }
+                if (leader && !t.n_range.empty()) { load<Traits>(args, shared, t.seq, t.blk, t.n_range, state); }
+            }
+        }
         return;
     }
+
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
     int const ctid = tid - 128;
+    GemmTurns<Traits::kConsumerWarpGroups, Traits::kPingPong> const turns{ctid / 128};
+    turns.init();
     typename Traits::TiledMmaO mma_o;
-    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    clear(acc_o);
-    auto acc_o_rc = sm80::rowcol_view(acc_o);
-    constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
-    OnlineSoftmax<kRows> softmax;
-    softmax.init();
-    if (!n_range.empty()) {
-        float const alibi_slope =
-            params.alibi_slopes == nullptr
-                ? 0.f
-                : params.alibi_slopes[blk.batch * params.alibi_batch_stride + blk.head] / params.logit_scale;
-        consume<Traits>(params, shared, window, blk.block, n_range, alibi_slope, ctid, acc_o, softmax);
+    for (int idx = blockIdx.x; idx < args.num_tiles; idx += gridDim.x) {
+        Tile const t = tile_at(idx);
+        if (!t.blk.valid) { break; }
+        Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        clear(acc_o);
+        auto acc_o_rc = sm80::rowcol_view(acc_o);
+        constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+        OnlineSoftmax<kRows> softmax;
+        softmax.init();
+        if (!t.n_range.empty()) {
+            float const alibi_slope =
+                params.alibi_slopes == nullptr
+                    ? 0.f
+                    : params.alibi_slopes[t.blk.batch * params.alibi_batch_stride + t.blk.head] / params.logit_scale;
+            consume<Traits>(params, shared, t.window, t.blk.block, t.n_range, alibi_slope, ctid, state, turns, acc_o,
+                            softmax);
+        }
+        float lse[kRows];
+        softmax.finalize(acc_o_rc, params.logit_scale, lse);
+        store_output<Traits>(mma_o, acc_o, lse, params, t.seq, t.blk.block, t.blk.head, ctid);
     }
-    float lse[kRows];
-    softmax.finalize(acc_o_rc, params.logit_scale, lse);
-    sm80::store_output<Traits>(mma_o, acc_o, lse, smem_buf, params, seq, blk.block, blk.head, ctid);
 }
 
 }  // namespace flash::sm90

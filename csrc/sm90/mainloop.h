@@ -30,6 +30,7 @@ struct FwdKernelParams {
     typename Traits::TmaQ tma_q;
     typename Traits::TmaKV tma_k;
     typename Traits::TmaKV tma_v;
+    int num_tiles;  // a bound on the tiles of the grid (see tile_count); the kernel stops at the first invalid one
 };
 
 // The registers of an m64nN accumulator ((2, 2, N / 8), MMA_M, MMA_N) read as the A operand of an m64nKk16 wgmma
@@ -62,9 +63,17 @@ __device__ __forceinline__ void gemm(TiledMma& tiled_mma, FragA& a, FragB const&
 
 // Producer (one thread): Q, then K(n) and V(n + 1) for every key block n of the tile, last-first. Rows past the
 // tensor arrive as zeros; rows of the next packed sequence are masked (keys) or zeroed (values, see consume()).
+// The position of a CTA's producer or consumers in the Q buffer and the K / V rings, kept across its tiles.
+template <int kStages>
+struct PipelineState {
+    RingState<kStages> k, v;
+    uint32_t q_phase = 0;  // flips with every tile that loads Q
+};
+
 template <class Traits>
 __device__ __forceinline__ void load(FwdKernelParams<Traits> const& args, typename Traits::SharedStorage& shared,
-                                     SeqlenInfo const& seq, TileCoord const& blk, Interval n_range) {
+                                     SeqlenInfo const& seq, TileCoord const& blk, Interval n_range,
+                                     PipelineState<Traits::kStages>& state) {
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     FwdParams const& params = args.p;
     int const head_kv = blk.head / params.h_per_hk;
@@ -92,10 +101,14 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits> const& args, typena
 
     // Q is read once per tile; K and V blocks are shared by the query tiles of a head, so they stay in L2.
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
+    // Q's buffer is free once the consumers have issued their last S GEMM of the previous tile and it completed.
+    cutlass::arch::ClusterBarrier::wait(&shared.q_empty, state.q_phase ^ 1);
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.q_full, Traits::kQBytes);
     copy(args.tma_q.with(shared.q_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_q.partition_S(gQ),
          tma_q.partition_D(sQ));
-    RingState<Traits::kStages> k_state, v_state;
+    state.q_phase ^= 1;
+    RingState<Traits::kStages>& k_state = state.k;
+    RingState<Traits::kStages>& v_state = state.v;
     auto load_v = [&](int n_block) {
         copy(args.tma_v.with(shared.v_ring.acquire(v_state, Traits::kKVBytes), 0, kKeep), tVgV(_, _, _, n_block),
              tVsV(_, _, _, v_state.index));
@@ -112,10 +125,11 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits> const& args, typena
 
 // Consumer warpgroups (ctid: thread index among them): accumulates this tile's unnormalised output in acc_o and the
 // running row max / sum in softmax, over key blocks n_range (not empty).
-template <class Traits, class AccO, class Softmax>
+template <class Traits, class Turns, class AccO, class Softmax>
 __device__ __forceinline__ void consume(FwdParams const& params, typename Traits::SharedStorage& shared,
                                         AttnWindow const& window, int m_block, Interval n_range, float alibi_slope,
-                                        int ctid, AccO& acc_o, Softmax& softmax) {
+                                        int ctid, PipelineState<Traits::kStages>& state, Turns const& turns,
+                                        AccO& acc_o, Softmax& softmax) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     constexpr int kStages = Traits::kStages;
@@ -127,13 +141,16 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
     Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutVt{});
     typename Traits::TiledMmaS mma_s;
     typename Traits::TiledMmaO mma_o;
-    auto thr_s = mma_s.get_thread_slice(ctid);
-    auto thr_o = mma_o.get_thread_slice(ctid);
-    Tensor tSrQ = thr_s.partition_fragment_A(sQ);
-    Tensor tSrK = thr_s.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
-    Tensor tOrVt = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+    // Shared-memory operands are sliced per warpgroup, from an index the compiler knows is warp-uniform, so that
+    // their descriptors live in uniform registers rather than in 2 x MMA_K of the consumers' registers.
+    int const wg = __shfl_sync(0xffffffff, ctid / 128, 0);
+    auto wg_s = mma_s.get_slice(wg * 128);
+    auto wg_o = mma_o.get_slice(wg * 128);
+    Tensor tSrQ = wg_s.partition_fragment_A(sQ);
+    Tensor tSrK = wg_s.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
+    Tensor tOrVt = wg_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
     Tensor coord_s_rc = sm80::rowcol_view(
-        thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+        mma_s.get_thread_slice(ctid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
     auto acc_o_rc = sm80::rowcol_view(acc_o);
     constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
     int const row0 = m_block * kBlockM;
@@ -142,12 +159,12 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
     Tensor tOrP = make_tensor<Element>(acc_as_a_operand(AccSLayout{}));
     float alpha[kRows];
 
-    GemmTurns<Traits::kConsumerWarpGroups, Traits::kPingPong> const turns{ctid / 128};
-    turns.init();
-    RingState<kStages> k_state, v_state;
+    RingState<kStages>& k_state = state.k;
+    RingState<kStages>& v_state = state.v;
     int n_block = n_range.hi - 1;
 
-    cutlass::arch::ClusterTransactionBarrier::wait(&shared.q_full, 0);
+    cutlass::arch::ClusterTransactionBarrier::wait(&shared.q_full, state.q_phase);
+    state.q_phase ^= 1;
     if (n_block * kBlockN + kBlockN > window.sk) {
         // The first block's V rows past this sequence's keys hold other data (or, past seqused, anything: NaN * 0
         // is NaN): zero them before any O GEMM reads the stage.
@@ -216,12 +233,15 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
     for (--n_block; n_block >= unmasked_hi; --n_block) { step(n_block, cute::true_type{}); }
     for (; n_block >= unmasked_lo; --n_block) { step(n_block, cute::false_type{}); }
     for (; n_block >= n_range.lo; --n_block) { step(n_block, cute::true_type{}); }
+    // Every S GEMM of this tile has completed: the producer may load the next tile's Q.
+    if (cute::elect_one_sync()) { cutlass::arch::ClusterBarrier::arrive(&shared.q_empty); }
 
     if constexpr (Traits::kRescaleBeforeGemm) { softmax.rescale(acc_o_rc, alpha); }
     shared.v_ring.wait(v_state);
     gemm<false>(mma_o, tOrP, tOrVt(_, _, _, v_state.index), acc_o);
     warpgroup_wait<0>();
     shared.v_ring.release(v_state);
+    v_state.advance();
 }
 
 }  // namespace flash::sm90

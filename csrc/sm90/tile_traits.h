@@ -9,7 +9,6 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
-#include "../sm80/tile_traits.h"
 #include "pipeline.h"
 
 namespace flash::sm90 {
@@ -70,17 +69,12 @@ struct FwdTraits {
     static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
 
-    // The epilogue's pieces, shared with the SM80 tier's store_tile: the consumers store O through Q's shared memory.
-    using EpilogueBase = sm80::TileBase<kHeadDim, kConsumerThreads / 32, Element>;
-    using SmemCopyAtomO = typename EpilogueBase::SmemCopyAtomO;
-    using GmemTiledCopyO = typename EpilogueBase::GmemTiledCopyO;
-    __device__ __forceinline__ static void sync_epilogue() { sync_consumers<kConsumerThreads>(); }
-
     struct SharedStorage {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
         uint64_t q_full;
+        uint64_t q_empty;
         TmaRing<kStages> k_ring;
         TmaRing<kStages> v_ring;
     };
