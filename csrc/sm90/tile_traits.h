@@ -27,10 +27,11 @@ struct FwdTraits {
     static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
     static constexpr int kNThreads = kConsumerThreads + 128;
     static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0 && kBlockN % 16 == 0);
-    static_assert(kConsumerWarpGroups == 2, "the register split below is for two consumer warpgroups");
-    // setmaxnreg budgets (multiples of 8, 128 * (24 + 2 * 240) <= 64K registers): the producer needs few.
-    static constexpr int kProducerRegisters = 24;
-    static constexpr int kConsumerRegisters = 240;
+    static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3);
+    // setmaxnreg budgets, multiples of 8 within 64K registers: 128 * (24 + 2 * 240), 128 * (32 + 3 * 160). The
+    // producer needs few.
+    static constexpr int kProducerRegisters = kConsumerWarpGroups == 2 ? 24 : 32;
+    static constexpr int kConsumerRegisters = kConsumerWarpGroups == 2 ? 240 : 160;
     // Consumer warpgroups take turns issuing their GEMMs, so that one's softmax runs under the other's GEMMs. Past
     // d 128 the O GEMM is long enough to hide the softmax within a warpgroup, and the turns only add waits.
     static constexpr bool kPingPong = kHeadDim <= 128;
