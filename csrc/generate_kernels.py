@@ -43,9 +43,8 @@ class Tier:
 TIERS = {
     80: Tier("flash::sm80", (80, 86, 87, 89, 90, 120, 121),
              {"fwd": "sm80/fwd_launch.h", "bwd": "sm80/bwd_launch.h"}, ("sm80",)),
-    # The SM90 forward reuses the SM80 tier's accumulator views; its d 256 key blocks of 80 columns need CuTe's wgmma
-    # shapes with N not a power of two.
-    90: Tier("flash::sm90", (90,), {"fwd": "sm90/fwd_launch.h"}, ("sm90", "sm80"), (64, 128, 256), "a",
+    # Its d 256 key blocks of 80 columns need CuTe's wgmma shapes with N not a power of two.
+    90: Tier("flash::sm90", (90,), {"fwd": "sm90/fwd_launch.h"}, ("sm90",), (64, 128, 256), "a",
              ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",)),
 }
 

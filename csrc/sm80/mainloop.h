@@ -1,10 +1,11 @@
 // SM80-tier mainloop pieces: predicated cp.async tile loads, ldmatrix operands addressed by XOR, the two GEMMs
 // (S = Q K^T from shared memory, O += P V with P in registers) with ldmatrix software-pipelined one k-slice ahead, and
-// accumulator layout views.
+// P's registers as an A operand.
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/numeric_conversion.h>
+
+#include "../common/fragment.h"
 
 namespace flash::sm80 {
 
@@ -132,41 +133,12 @@ __device__ __forceinline__ void gemm_rs(TiledMma const& mma, Acc& acc, RegA cons
     }
 }
 
-// An accumulator seen as (rows, cols): m16n8's ((2 cols, 2 rows), MMA_M, MMA_N) as ((2, MMA_M), (2, MMA_N)), and
-// wgmma's m64nN ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) as ((2, MMA_M), (2, N / 8, MMA_N)).
-template <class Layout>
-__device__ __forceinline__ constexpr auto rowcol_layout(Layout const& acc) {
-    static_assert(decltype(rank(acc))::value == 3);
-    if constexpr (decltype(rank(get<0>(acc)))::value == 2) {
-        return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)), make_layout(get<0, 0>(acc), get<2>(acc)));
-    } else {
-        return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
-                           make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
-    }
-}
-
-template <class Tensor_>
-__device__ __forceinline__ auto rowcol_view(Tensor_&& t) {
-    return make_tensor(t.data(), rowcol_layout(t.layout()));
-}
-
 // The same accumulator registers read as the A operand of m16n8k16: two n8 tiles form one k16 slice, so P never
 // leaves registers. ((2, 2), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, MMA_N / 2).
 template <class Layout>
 __device__ __forceinline__ constexpr auto acc_as_a_operand(Layout const& acc) {
     auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});
     return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
-}
-
-template <typename To, class Tensor_>
-__device__ __forceinline__ auto convert_fragment(Tensor_ const& t) {
-    using From = typename std::decay_t<Tensor_>::value_type;
-    constexpr int N = decltype(size(t))::value;
-    cutlass::NumericArrayConverter<To, From, N> convert;
-    auto out = make_tensor<To>(t.layout());
-    *reinterpret_cast<cutlass::Array<To, N>*>(out.data()) =
-        convert(*reinterpret_cast<cutlass::Array<From, N> const*>(t.data()));
-    return out;
 }
 
 }  // namespace flash::sm80

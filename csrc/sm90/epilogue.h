@@ -7,7 +7,7 @@
 
 #include "../common/params.h"
 #include "../common/seqlen.h"
-#include "../sm80/mainloop.h"
+#include "../common/fragment.h"
 
 namespace flash::sm90 {
 
@@ -21,7 +21,7 @@ __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO con
     constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
     int const row0 = m_block * kBlockM;
     int const rows_left = seq.q.len - row0;
-    Tensor coord_rc = sm80::rowcol_view(
+    Tensor coord_rc = rowcol_view(
         tiled_mma.get_thread_slice(ctid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
     if (get<1>(coord_rc(0, 0)) == 0) {  // the first lane of each quad holds column 0 of its rows
         float* lse_row = params.lse + seq.row_stats_index(params, head) + row0;
@@ -31,7 +31,7 @@ __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO con
             if (row < rows_left) { lse_row[row] = lse[r]; }
         }
     }
-    Tensor o_rc = sm80::rowcol_view(sm80::convert_fragment<Element>(acc_o));
+    Tensor o_rc = rowcol_view(convert_fragment<Element>(acc_o));
     Element* o = static_cast<Element*>(params.o) +
                  seq.q_offset(params.o_batch_stride, params.o_row_stride, params.o_head_stride, head) +
                  int64_t(row0) * params.o_row_stride;

@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (!t.blk.valid) { break; }
         Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         clear(acc_o);
-        auto acc_o_rc = sm80::rowcol_view(acc_o);
+        auto acc_o_rc = rowcol_view(acc_o);
         constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
         OnlineSoftmax<kRows> softmax;
         softmax.init();

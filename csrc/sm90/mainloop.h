@@ -16,7 +16,7 @@
 #include "../common/score_mod.h"
 #include "../common/seqlen.h"
 #include "../common/softmax.h"
-#include "../sm80/mainloop.h"
+#include "../common/fragment.h"
 #include "pipeline.h"
 #include "tile_traits.h"
 
@@ -149,9 +149,9 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
     Tensor tSrQ = wg_s.partition_fragment_A(sQ);
     Tensor tSrK = wg_s.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
     Tensor tOrVt = wg_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
-    Tensor coord_s_rc = sm80::rowcol_view(
+    Tensor coord_s_rc = rowcol_view(
         mma_s.get_thread_slice(ctid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
-    auto acc_o_rc = sm80::rowcol_view(acc_o);
+    auto acc_o_rc = rowcol_view(acc_o);
     constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
     int const row0 = m_block * kBlockM;
     using AccSLayout = decltype(partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{}).layout());
@@ -179,7 +179,7 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
 
     // Score mods and mask of S(n_block); `masked` is a bool or a compile-time constant.
     auto scores = [&](auto& acc_s, int n_block, auto masked) __attribute__((always_inline)) {
-        auto s_rc = sm80::rowcol_view(acc_s);
+        auto s_rc = rowcol_view(acc_s);
         int const col0 = n_block * kBlockN;
         if (params.has_softcap) { apply_softcap(acc_s, params.softcap_pre); }
         if (params.alibi_slopes != nullptr) {
@@ -191,7 +191,7 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
     };
     auto keep_p = [&](auto const& acc_s) __attribute__((always_inline)) {
         Tensor p_acc = make_tensor(tOrP.data(), AccSLayout{});
-        copy(sm80::convert_fragment<Element>(acc_s), p_acc);
+        copy(convert_fragment<Element>(acc_s), p_acc);
     };
 
     {  // The first block: S only.

@@ -1,0 +1,42 @@
+// Register fragments as both tiers' kernels use them: an MMA accumulator seen as (rows, cols), and a fragment
+// converted to another element type in one vectorized step.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+#include <type_traits>
+
+namespace flash {
+
+// An accumulator seen as (rows, cols): m16n8's ((2 cols, 2 rows), MMA_M, MMA_N) as ((2, MMA_M), (2, MMA_N)), and
+// wgmma's m64nN ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) as ((2, MMA_M), (2, N / 8, MMA_N)).
+template <class Layout>
+__device__ __forceinline__ constexpr auto rowcol_layout(Layout const& acc) {
+    static_assert(decltype(cute::rank(acc))::value == 3);
+    if constexpr (decltype(cute::rank(cute::get<0>(acc)))::value == 2) {
+        return cute::make_layout(cute::make_layout(cute::get<0, 1>(acc), cute::get<1>(acc)),
+                                 cute::make_layout(cute::get<0, 0>(acc), cute::get<2>(acc)));
+    } else {
+        return cute::make_layout(cute::make_layout(cute::get<0, 1>(acc), cute::get<1>(acc)),
+                                 cute::make_layout(cute::get<0, 0>(acc), cute::get<0, 2>(acc), cute::get<2>(acc)));
+    }
+}
+
+template <class Tensor_>
+__device__ __forceinline__ auto rowcol_view(Tensor_&& t) {
+    return cute::make_tensor(t.data(), rowcol_layout(t.layout()));
+}
+
+template <typename To, class Tensor_>
+__device__ __forceinline__ auto convert_fragment(Tensor_ const& t) {
+    using From = typename std::decay_t<Tensor_>::value_type;
+    constexpr int N = decltype(cute::size(t))::value;
+    cutlass::NumericArrayConverter<To, From, N> convert;
+    auto out = cute::make_tensor<To>(t.layout());
+    *reinterpret_cast<cutlass::Array<To, N>*>(out.data()) =
+        convert(*reinterpret_cast<cutlass::Array<From, N> const*>(t.data()));
+    return out;
+}
+
+}  // namespace flash
