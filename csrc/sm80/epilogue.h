@@ -5,6 +5,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "../common/epilogue.h"
 #include "../common/params.h"
 #include "../common/seqlen.h"
 #include "mainloop.h"
@@ -55,14 +56,7 @@ __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO con
     int const row0 = m_block * kBlockM;
     Tensor coord_rc = rowcol_view(
         tiled_mma.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
-    if (get<1>(coord_rc(0, 0)) == 0) {  // the first lane of each quad holds column 0 of its rows
-        float* lse_row = params.lse + seq.row_stats_index(params, head) + row0;
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-            int const row = get<0>(coord_rc(r, 0));
-            if (row0 + row < seq.q.len) { lse_row[row] = lse[r]; }
-        }
-    }
+    store_lse(coord_rc, lse, params, seq, head, row0);
 
     Tensor sO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
     Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(params.o) +

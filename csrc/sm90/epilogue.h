@@ -5,6 +5,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "../common/epilogue.h"
 #include "../common/params.h"
 #include "../common/seqlen.h"
 #include "../common/fragment.h"
@@ -23,14 +24,7 @@ __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO con
     int const rows_left = seq.q.len - row0;
     Tensor coord_rc = rowcol_view(
         tiled_mma.get_thread_slice(ctid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
-    if (get<1>(coord_rc(0, 0)) == 0) {  // the first lane of each quad holds column 0 of its rows
-        float* lse_row = params.lse + seq.row_stats_index(params, head) + row0;
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-            int const row = get<0>(coord_rc(r, 0));
-            if (row < rows_left) { lse_row[row] = lse[r]; }
-        }
-    }
+    store_lse(coord_rc, lse, params, seq, head, row0);
     Tensor o_rc = rowcol_view(convert_fragment<Element>(acc_o));
     Element* o = static_cast<Element*>(params.o) +
                  seq.q_offset(params.o_batch_stride, params.o_row_stride, params.o_head_stride, head) +
