@@ -39,4 +39,20 @@ __device__ __forceinline__ auto convert_fragment(Tensor_ const& t) {
     return out;
 }
 
+// Converts `src` into the registers of `dst` in storage order (element i of src's storage becomes element i of
+// dst's), whatever dst's layout says: a view whose layout permutes a compact fragment, such as an accumulator read as
+// an MMA's A operand, takes the result without a copy. Copying a converted fragment into such a view instead moves
+// 16-bit values one at a time, which ptxas assembles with byte permutes (a third of the SM90 softmax's instructions).
+template <class TensorSrc, class TensorDst>
+__device__ __forceinline__ void convert_fragment_into(TensorSrc const& src, TensorDst& dst) {
+    using From = typename std::decay_t<TensorSrc>::value_type;
+    using To = typename std::decay_t<TensorDst>::value_type;
+    constexpr int N = decltype(cute::size(src))::value;
+    static_assert(decltype(cute::cosize(src.layout()))::value == N && decltype(cute::size(dst))::value == N &&
+                  decltype(cute::cosize(dst.layout()))::value == N);
+    cutlass::NumericArrayConverter<To, From, N> convert;
+    *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+        convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+}
+
 }  // namespace flash

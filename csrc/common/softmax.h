@@ -46,11 +46,20 @@ struct OnlineSoftmax {
     template <class TensorS>
     __device__ __forceinline__ void max_and_scale(TensorS const& s, float scale_log2, float (&alpha)[kNRows]) {
         static_assert(decltype(cute::size<0>(s))::value == kNRows);
+        // Independent partial maxima per row: a chain of one fmaxf per column would be latency-bound. The max is
+        // exact, so the order changes nothing.
+        constexpr int kCols = decltype(cute::size<1>(s))::value;
+        constexpr int kWays = kCols % 4 == 0 ? 4 : (kCols % 2 == 0 ? 2 : 1);
         CUTE_UNROLL
         for (int r = 0; r < kNRows; ++r) {
+            float part[kWays];
+            CUTE_UNROLL
+            for (int w = 0; w < kWays; ++w) { part[w] = s(r, w); }
+            CUTE_UNROLL
+            for (int c = kWays; c < kCols; ++c) { part[c % kWays] = fmaxf(part[c % kWays], s(r, c)); }
             float m = row_max[r];
             CUTE_UNROLL
-            for (int c = 0; c < cute::size<1>(s); ++c) { m = fmaxf(m, s(r, c)); }
+            for (int w = 0; w < kWays; ++w) { m = fmaxf(m, part[w]); }
             float const old_max = row_max[r];
             row_max[r] = quad_allreduce_max(m);
             alpha[r] = exp2f(old_max * scale_log2 - scaled_max(r, scale_log2));

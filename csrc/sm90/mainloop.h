@@ -177,22 +177,23 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
         sync_consumers<Traits::kConsumerThreads>();
     }
 
-    // Score mods and mask of S(n_block); `masked` is a bool or a compile-time constant.
-    auto scores = [&](auto& acc_s, int n_block, auto masked) __attribute__((always_inline)) {
+    // Score mods and mask of S(n_block); `masked` and `mods` (whether a softcap or ALiBi may apply) are bools or
+    // compile-time constants.
+    bool const has_mods = params.has_softcap || params.alibi_slopes != nullptr;
+    auto scores = [&](auto& acc_s, int n_block, auto masked, auto mods) __attribute__((always_inline)) {
         auto s_rc = rowcol_view(acc_s);
         int const col0 = n_block * kBlockN;
-        if (params.has_softcap) { apply_softcap(acc_s, params.softcap_pre); }
-        if (params.alibi_slopes != nullptr) {
+        if (mods && params.has_softcap) { apply_softcap(acc_s, params.softcap_pre); }
+        if (mods && params.alibi_slopes != nullptr) {
             apply_alibi(s_rc, coord_s_rc, row0, col0, window.diag_offset(), alibi_slope);
         }
         if (masked) { apply_mask(s_rc, coord_s_rc, window, row0, col0); }
         softmax.max_and_scale(s_rc, params.scale_log2, alpha);
         softmax.exponentiate(s_rc, params.scale_log2);
     };
-    auto keep_p = [&](auto const& acc_s) __attribute__((always_inline)) {
-        Tensor p_acc = make_tensor(tOrP.data(), AccSLayout{});
-        copy(convert_fragment<Element>(acc_s), p_acc);
-    };
+    // tOrP's storage is in accumulator order (its layout only re-reads it as the A operand), so the conversion writes
+    // it directly.
+    auto keep_p = [&](auto const& acc_s) __attribute__((always_inline)) { convert_fragment_into(acc_s, tOrP); };
 
     {  // The first block: S only.
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -203,10 +204,10 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
         warpgroup_wait<0>();
         shared.k_ring.release(k_state);
         k_state.advance();
-        scores(acc_s, n_block, Range::needs_mask(window, m_block, n_block));
+        scores(acc_s, n_block, Range::needs_mask(window, m_block, n_block), has_mods);
         keep_p(acc_s);
     }
-    auto step = [&](int n_block, auto masked) __attribute__((always_inline)) {
+    auto step = [&](int n_block, auto masked, auto mods) __attribute__((always_inline)) {
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
         turns.wait();
         shared.k_ring.wait(k_state);
@@ -218,7 +219,7 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
         warpgroup_wait<1>();  // S(n) is done (wgmma batches complete in order)
         shared.k_ring.release(k_state);
         k_state.advance();
-        scores(acc_s, n_block, masked);
+        scores(acc_s, n_block, masked, mods);
         warpgroup_wait<0>();
         shared.v_ring.release(v_state);
         v_state.advance();
@@ -230,9 +231,15 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
     Interval const unmasked = Range::unmasked_n_blocks(window, m_block);
     int const unmasked_hi = cute::max(n_range.lo, cute::min(unmasked.hi, n_range.hi));
     int const unmasked_lo = cute::max(n_range.lo, cute::min(unmasked.lo, unmasked_hi));
-    for (--n_block; n_block >= unmasked_hi; --n_block) { step(n_block, cute::true_type{}); }
-    for (; n_block >= unmasked_lo; --n_block) { step(n_block, cute::false_type{}); }
-    for (; n_block >= n_range.lo; --n_block) { step(n_block, cute::true_type{}); }
+    // The unmasked loop, where the time goes, comes in two copies, so that the common one has no branch on the score
+    // mods: a branch splits the softmax from the O GEMM's wait, and ptxas then hoists the wait over the softmax.
+    for (--n_block; n_block >= unmasked_hi; --n_block) { step(n_block, cute::true_type{}, has_mods); }
+    if (has_mods) {
+        for (; n_block >= unmasked_lo; --n_block) { step(n_block, cute::false_type{}, cute::true_type{}); }
+    } else {
+        for (; n_block >= unmasked_lo; --n_block) { step(n_block, cute::false_type{}, cute::false_type{}); }
+    }
+    for (; n_block >= n_range.lo; --n_block) { step(n_block, cute::true_type{}, has_mods); }
     // Every S GEMM of this tile has completed: the producer may load the next tile's Q.
     if (cute::elect_one_sync()) { cutlass::arch::ClusterBarrier::arrive(&shared.q_empty); }
 
