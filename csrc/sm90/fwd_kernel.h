@@ -44,7 +44,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     __syncthreads();
 
-    // Every lane of a warp decodes (varlen decoding is a warp scan); tiles past the last real one come back invalid.
+    // Every lane of a warp decodes (varlen decoding is a warp scan). An invalid tile (a varlen grid's spare, or a
+    // batched tile past seqused_q) is skipped by the producer and the consumers alike.
     struct Tile {
         TileCoord blk;
         SeqlenInfo seq;
@@ -66,8 +67,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             bool const leader = cute::elect_one_sync();
             for (int idx = blockIdx.x; idx < args.num_tiles; idx += gridDim.x) {
                 Tile const t = tile_at(idx);
-                if (!t.blk.valid) { break; }
-                if (leader && !t.n_range.empty()) { load<Traits>(args, shared, t.seq, t.blk, t.n_range, state); }
+                if (leader && t.blk.valid && !t.n_range.empty()) {
+                    load<Traits>(args, shared, t.seq, t.blk, t.n_range, state);
+                }
             }
         }
         return;
@@ -80,7 +82,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     typename Traits::TiledMmaO mma_o;
     for (int idx = blockIdx.x; idx < args.num_tiles; idx += gridDim.x) {
         Tile const t = tile_at(idx);
-        if (!t.blk.valid) { break; }
+        if (!t.blk.valid) { continue; }
         Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         clear(acc_o);
         auto acc_o_rc = rowcol_view(acc_o);

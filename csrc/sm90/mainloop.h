@@ -197,8 +197,8 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
 
     {  // The first block: S only.
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        shared.k_ring.wait(k_state);  // before taking the turn, as FlashAttention-3 and -4 do
         turns.wait();
-        shared.k_ring.wait(k_state);
         gemm<true>(mma_s, tSrQ, tSrK(_, _, _, k_state.index), acc_s);
         turns.pass();
         warpgroup_wait<0>();
@@ -209,8 +209,8 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
     }
     auto step = [&](int n_block, auto masked, auto mods) __attribute__((always_inline)) {
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        shared.k_ring.wait(k_state);  // before taking the turn, as FlashAttention-3 and -4 do
         turns.wait();
-        shared.k_ring.wait(k_state);
         gemm<true>(mma_s, tSrQ, tSrK(_, _, _, k_state.index), acc_s);
         if constexpr (Traits::kRescaleBeforeGemm) { softmax.rescale(acc_o_rc, alpha); }
         shared.v_ring.wait(v_state);

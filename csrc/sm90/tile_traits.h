@@ -32,6 +32,10 @@ struct FwdTraits {
     // producer needs few.
     static constexpr int kProducerRegisters = kConsumerWarpGroups == 2 ? 24 : 32;
     static constexpr int kConsumerRegisters = kConsumerWarpGroups == 2 ? 240 : 160;
+    // setmaxnreg moves registers within what the launch bound gave the CTA (65536 over its threads, in multiples of
+    // 8): a consumer increase beyond it never returns.
+    static_assert(128 * (kProducerRegisters + kConsumerWarpGroups * kConsumerRegisters) <=
+                  kNThreads * (65536 / kNThreads / 8 * 8));
     // Consumer warpgroups take turns issuing their GEMMs, so that one's softmax runs under the other's GEMMs. Past
     // d 128 the O GEMM is long enough to hide the softmax within a warpgroup, and the turns only add waits.
     static constexpr bool kPingPong = kHeadDim <= 128;
