@@ -28,17 +28,6 @@ __device__ __forceinline__ auto rowcol_view(Tensor_&& t) {
     return cute::make_tensor(t.data(), rowcol_layout(t.layout()));
 }
 
-template <typename To, class Tensor_>
-__device__ __forceinline__ auto convert_fragment(Tensor_ const& t) {
-    using From = typename std::decay_t<Tensor_>::value_type;
-    constexpr int N = decltype(cute::size(t))::value;
-    cutlass::NumericArrayConverter<To, From, N> convert;
-    auto out = cute::make_tensor<To>(t.layout());
-    *reinterpret_cast<cutlass::Array<To, N>*>(out.data()) =
-        convert(*reinterpret_cast<cutlass::Array<From, N> const*>(t.data()));
-    return out;
-}
-
 // Converts `src` into the registers of `dst` in storage order (element i of src's storage becomes element i of
 // dst's), whatever dst's layout says: a view whose layout permutes a compact fragment, such as an accumulator read as
 // an MMA's A operand, takes the result without a copy. Copying a converted fragment into such a view instead moves
@@ -53,6 +42,14 @@ __device__ __forceinline__ void convert_fragment_into(TensorSrc const& src, Tens
     cutlass::NumericArrayConverter<To, From, N> convert;
     *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
         convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+}
+
+// `t` converted to To, in a new fragment of the same layout.
+template <typename To, class Tensor_>
+__device__ __forceinline__ auto convert_fragment(Tensor_ const& t) {
+    auto out = cute::make_tensor<To>(t.layout());
+    convert_fragment_into(t, out);
+    return out;
 }
 
 }  // namespace flash
