@@ -21,15 +21,21 @@ inline int64_t tile_count(int rows, int b, int block, bool varlen) {
 }
 
 // Tile idx of blocks of kBlock rows (queries in the forward, keys in the backward), `reverse` handing each
-// sequence's blocks out last-first. Batched this is two divisions. Varlen, each warp scans the sequences' tile counts
-// 32 at a time with a warp prefix sum (no workspace, no extra launch); every warp reaches the same answer.
+// sequence's blocks out last-first. Batched, the (batch, head) pairs are taken in sections of `section` pairs (the
+// last one may be smaller), and a section's tiles go block by block, its pairs fastest: with `reverse` and causal
+// tiles that is longest first across the section, while the section's K and V stay in L2. A section of 1 is the
+// head-major order. Batched this is a few divisions. Varlen, each warp scans the sequences' tile counts 32 at a time
+// with a warp prefix sum (no workspace, no extra launch); every warp reaches the same answer.
 template <int kBlock>
 __device__ __forceinline__ TileCoord decode_tile(int idx, int const* cu_seqlens, int const* seqused, int rows,
-                                                 int batches, int heads, bool reverse) {
+                                                 int batches, int heads, bool reverse, int section = 1) {
     if (cu_seqlens == nullptr) {
         int const num_blocks = (rows + kBlock - 1) / kBlock;
-        int const blk = idx % num_blocks;
-        int const bh = idx / num_blocks;
+        int const first_bh = idx / (section * num_blocks) * section;
+        int const pairs = min(section, batches * heads - first_bh);
+        int const local = idx - first_bh * num_blocks;
+        int const blk = local / pairs;
+        int const bh = first_bh + local % pairs;
         TileCoord t{reverse ? num_blocks - 1 - blk : blk, bh % heads, bh / heads, true};
         if (seqused != nullptr) { t.valid = t.block * kBlock < seq_rows(nullptr, seqused, rows, t.batch).len; }
         return t;

@@ -1,8 +1,8 @@
 // SM90-tier forward kernel: a CTA of one producer warpgroup (one thread issues every TMA; setmaxnreg gives its
 // registers to the consumers) and kBlockM / 64 consumer warpgroups (wgmma, softmax, epilogue) computes kBlockM x d
-// output tiles. The grid is persistent: CTA i takes tiles i, i + gridDim.x, ... in the order of decode_tile (query
-// blocks last-first, so causal tiles come longest first), and its producer loads the next tile's Q, K and V while
-// the consumers finish the current one. The roles' code is in mainloop.h and epilogue.h.
+// output tiles. CTA i takes tiles i, i + gridDim.x, ... in the order of decode_tile (query blocks last-first, so
+// causal tiles come longest first); with a persistent grid its producer loads the next tile's Q, K and V while the
+// consumers finish the current one. The roles' code is in mainloop.h and epilogue.h.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     };
     auto tile_at = [&](int idx) {
         TileCoord const blk = decode_tile<kBlockM>(idx, params.cu_seqlens_q, params.seqused_q, params.sq, params.b,
-                                                   params.h, true);
+                                                   params.h, true, args.section);
         SeqlenInfo const seq(params, blk.batch);
         AttnWindow const window = seq.window(params);
         return Tile{blk, seq, window, BlockRange<kBlockM, kBlockN>::n_blocks(window, blk.block)};

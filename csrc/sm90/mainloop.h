@@ -30,7 +30,8 @@ struct FwdKernelParams {
     typename Traits::TmaQ tma_q;
     typename Traits::TmaKV tma_k;
     typename Traits::TmaKV tma_v;
-    int num_tiles;  // a bound on the tiles of the grid (see tile_count); the kernel stops at the first invalid one
+    int num_tiles;  // a bound on the tiles of the grid (see tile_count)
+    int section;    // (batch, head) pairs per L2 section of the tile order (see decode_tile)
 };
 
 // The registers of an m64nN accumulator ((2, 2, N / 8), MMA_M, MMA_N) read as the A operand of an m64nKk16 wgmma
@@ -165,9 +166,11 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
 
     cutlass::arch::ClusterTransactionBarrier::wait(&shared.q_full, state.q_phase);
     state.q_phase ^= 1;
-    if (n_block * kBlockN + kBlockN > window.sk) {
-        // The first block's V rows past this sequence's keys hold other data (or, past seqused, anything: NaN * 0
-        // is NaN): zero them before any O GEMM reads the stage.
+    // The first block's V rows past this sequence's keys hold the next sequence's rows (varlen) or, past seqused,
+    // anything (NaN * 0 is NaN): zero them before any O GEMM reads the stage. Batched without seqused they lie past
+    // the tensor, and TMA has filled them with zeros; waiting for V here would also hold up the first S GEMM.
+    bool const v_tail_foreign = params.cu_seqlens_k != nullptr || params.seqused_k != nullptr;
+    if (v_tail_foreign && n_block * kBlockN + kBlockN > window.sk) {
         shared.v_ring.wait(v_state);
         int const rows_left = window.sk - n_block * kBlockN;
         for (int idx = rows_left * kHeadDim + ctid; idx < kBlockN * kHeadDim; idx += Traits::kConsumerThreads) {
@@ -227,19 +230,22 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
         keep_p(acc_s);
     };
     // Masked blocks come first (keys past the end, the causal or right window edge), then unmasked ones, then the
-    // blocks the left window edge crosses.
+    // blocks the left window edge crosses. The loops come in two copies, with and without score mods, chosen once per
+    // tile: a branch on the mods inside a step splits the softmax from the O GEMM's wait, and ptxas then hoists the
+    // wait over the softmax, which then no longer overlaps the O GEMM.
     Interval const unmasked = Range::unmasked_n_blocks(window, m_block);
     int const unmasked_hi = cute::max(n_range.lo, cute::min(unmasked.hi, n_range.hi));
     int const unmasked_lo = cute::max(n_range.lo, cute::min(unmasked.lo, unmasked_hi));
-    // The unmasked loop, where the time goes, comes in two copies, so that the common one has no branch on the score
-    // mods: a branch splits the softmax from the O GEMM's wait, and ptxas then hoists the wait over the softmax.
-    for (--n_block; n_block >= unmasked_hi; --n_block) { step(n_block, cute::true_type{}, has_mods); }
+    auto key_loops = [&](auto mods) __attribute__((always_inline)) {
+        for (--n_block; n_block >= unmasked_hi; --n_block) { step(n_block, cute::true_type{}, mods); }
+        for (; n_block >= unmasked_lo; --n_block) { step(n_block, cute::false_type{}, mods); }
+        for (; n_block >= n_range.lo; --n_block) { step(n_block, cute::true_type{}, mods); }
+    };
     if (has_mods) {
-        for (; n_block >= unmasked_lo; --n_block) { step(n_block, cute::false_type{}, cute::true_type{}); }
+        key_loops(cute::true_type{});
     } else {
-        for (; n_block >= unmasked_lo; --n_block) { step(n_block, cute::false_type{}, cute::false_type{}); }
+        key_loops(cute::false_type{});
     }
-    for (; n_block >= n_range.lo; --n_block) { step(n_block, cute::true_type{}, has_mods); }
     // Every S GEMM of this tile has completed: the producer may load the next tile's Q.
     if (cute::elect_one_sync()) { cutlass::arch::ClusterBarrier::arrive(&shared.q_empty); }
 
