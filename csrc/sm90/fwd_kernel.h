@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (tid == 0) {
         cutlass::arch::ClusterTransactionBarrier::init(&shared.q_full, 1);
         cutlass::arch::ClusterBarrier::init(&shared.q_empty, Traits::kConsumerThreads / 32);
+        cutlass::arch::ClusterBarrier::init(&shared.o_free, Traits::kConsumerWarpGroups);
         shared.k_ring.init(Traits::kConsumerThreads / 32);
         shared.v_ring.init(Traits::kConsumerThreads / 32);
         cutlass::arch::fence_barrier_init();
@@ -99,8 +100,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         float lse[kRows];
         softmax.finalize(acc_o_rc, params.logit_scale, lse);
-        store_output<Traits>(mma_o, acc_o, lse, params, t.seq, t.blk.block, t.blk.head, ctid);
+        // A tile without keys loaded nothing, so the producer does not wait for its output buffer: it stores from
+        // registers.
+        bool const via_tma = params.cu_seqlens_q == nullptr && params.seqused_q == nullptr && !t.n_range.empty();
+        store_output<Traits>(args.tma_o, shared, acc_o, lse, params, t.seq, t.blk.block, t.blk.head, ctid, via_tma);
+        if constexpr (Traits::kOAliasesV) {
+            if (!via_tma && !t.n_range.empty() && ctid % 128 == 0) {
+                cutlass::arch::ClusterBarrier::arrive(&shared.o_free);
+            }
+        }
     }
+    // The shared memory must outlive the stores' reads of it.
+    if (ctid % 128 == 0) { tma_store_wait<0>(); }
 }
 
 }  // namespace flash::sm90

@@ -42,6 +42,11 @@ cudaError_t launch_fwd(FwdParams const& params, cudaStream_t stream) {
                            params.v_batch_stride),
                       take<0, 2>(typename Traits::SmemLayoutKV{}),
                       Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}),
+        make_tma_copy(SM90_TMA_STORE{},
+                      make_tensor(make_gmem_ptr(static_cast<Element*>(params.o)),
+                                  make_shape(params.sq, params.d, params.h, entries),
+                                  make_stride(params.o_row_stride, _1{}, params.o_head_stride, params.o_batch_stride)),
+                      typename Traits::SmemLayoutOSlab{}, Shape<_64, Int<Traits::kHeadDim>>{}, _1{}),
         int(num_tiles),
         1};
 

@@ -30,6 +30,7 @@ struct FwdKernelParams {
     typename Traits::TmaQ tma_q;
     typename Traits::TmaKV tma_k;
     typename Traits::TmaKV tma_v;
+    typename Traits::TmaO tma_o;
     int num_tiles;  // a bound on the tiles of the grid (see tile_count)
     int section;    // (batch, head) pairs per L2 section of the tile order (see decode_tile)
 };
@@ -62,15 +63,16 @@ __device__ __forceinline__ void gemm(TiledMma& tiled_mma, FragA& a, FragB const&
     if constexpr (kAInRegisters) { warpgroup_fence_operand(a); }
 }
 
-// Producer (one thread): Q, then K(n) and V(n + 1) for every key block n of the tile, last-first. Rows past the
-// tensor arrive as zeros; rows of the next packed sequence are masked (keys) or zeroed (values, see consume()).
 // The position of a CTA's producer or consumers in the Q buffer and the K / V rings, kept across its tiles.
 template <int kStages>
 struct PipelineState {
     RingState<kStages> k, v;
     uint32_t q_phase = 0;  // flips with every tile that loads Q
+    uint32_t o_phase = 0;  // flips with every tile that loads Q (with Traits::kOAliasesV)
 };
 
+// Producer (one thread): Q, then K(n) and V(n + 1) for every key block n of the tile, last-first. Rows past the
+// tensor arrive as zeros; rows of the next packed sequence are masked (keys) or zeroed (values, see consume()).
 template <class Traits>
 __device__ __forceinline__ void load(FwdKernelParams<Traits> const& args, typename Traits::SharedStorage& shared,
                                      SeqlenInfo const& seq, TileCoord const& blk, Interval n_range,
@@ -111,6 +113,13 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits> const& args, typena
     RingState<Traits::kStages>& k_state = state.k;
     RingState<Traits::kStages>& v_state = state.v;
     auto load_v = [&](int n_block) {
+        if constexpr (Traits::kOAliasesV) {
+            // The V ring holds the previous tile's output until its stores have read it.
+            if (n_block == n_range.hi - 1) {
+                cutlass::arch::ClusterBarrier::wait(&shared.o_free, state.o_phase ^ 1);
+                state.o_phase ^= 1;
+            }
+        }
         copy(args.tma_v.with(shared.v_ring.acquire(v_state, Traits::kKVBytes), 0, kKeep), tVgV(_, _, _, n_block),
              tVsV(_, _, _, v_state.index));
         v_state.advance();

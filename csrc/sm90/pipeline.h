@@ -55,12 +55,17 @@ struct TmaRing {
     }
 };
 
-// Named barrier ids (after CUTLASS's reserved ones). The producer warpgroup never takes part.
-enum class NamedBarrierId : uint32_t { kConsumers = 0, kGemmTurn0 = 1 };
+// Named barrier ids (after CUTLASS's reserved ones): the consumers', one GEMM turn and one epilogue barrier per
+// consumer warpgroup (at most 3). The producer warpgroup never takes part.
+enum class NamedBarrierId : uint32_t { kConsumers = 0, kGemmTurn0 = 1, kEpilogue0 = 4 };
 
 template <int kConsumerThreads>
 __device__ __forceinline__ void sync_consumers() {
     cutlass::arch::NamedBarrier::arrive_and_wait(kConsumerThreads, uint32_t(NamedBarrierId::kConsumers));
+}
+
+__device__ __forceinline__ void sync_warpgroup(int wg) {
+    cutlass::arch::NamedBarrier::arrive_and_wait(128, uint32_t(NamedBarrierId::kEpilogue0) + wg);
 }
 
 // Consumer warpgroups issue their GEMMs in turn, round-robin: each waits for its turn, issues, and passes the turn on,

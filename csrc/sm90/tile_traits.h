@@ -1,13 +1,16 @@
 // SM90-tier forward tile: the warp roles and their register budgets, wgmma (GMMA) atoms for S = Q K^T (both operands
 // in shared memory) and O += P V (P in registers), shared-memory layouts in the 128-byte-swizzled GMMA atoms that TMA
-// writes, the TMA copy types and the K / V rings.
+// reads and writes, the TMA copy types, the K / V rings and the output's staging buffer.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
+
+#include <type_traits>
 
 #include "pipeline.h"
 
@@ -74,16 +77,51 @@ struct FwdTraits {
     static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
 
+    // The output tile is staged in shared memory and stored by TMA, one 64-row slab per consumer warpgroup (each
+    // slab whole in the swizzled layout TMA reads), so the consumers hand it off in a few hundred cycles: writing it
+    // from registers took ~8% of a d 128 tile at 2k. Rows are (row in slab, warpgroup).
+    using SmemLayoutOSlab = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                   Shape<_64, Int<kHeadDim>>{}));
+    using SmemLayoutO = decltype(composition(
+        tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<_64, Int<kHeadDim>, Int<kConsumerWarpGroups>>{}),
+        Layout<Shape<Shape<_64, Int<kConsumerWarpGroups>>, Int<kHeadDim>>,
+               Stride<Stride<_1, Int<64 * kHeadDim>>, _64>>{}));
+    using GmemTensorO = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{},
+                                             GmemStride{}));
+    using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorO{}, SmemLayoutOSlab{},
+                                        Shape<_64, Int<kHeadDim>>{}, _1{}));
+    // Registers to shared memory with stmatrix, in the accumulator's layout.
+    using SmemCopyO = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaO{}));
+    // Where Q, K and V leave no room for it (d 256: 224 KB), the buffer is the V ring, free once both warpgroups'
+    // last O GEMMs are done; the producer then waits for the stores to have read it (o_free) before loading V.
+    static constexpr int kSmemLimit = 227 * 1024;
+    static constexpr bool kOAliasesV =
+        (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutKV> + cosize_v<SmemLayoutO>) * int(sizeof(Element)) + 1024 >
+        kSmemLimit;
+    static_assert(!kOAliasesV || cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutKV>);
+
+    struct NoBuffer {};
     struct SharedStorage {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
+        alignas(1024) std::conditional_t<kOAliasesV, NoBuffer, cute::array_aligned<Element, cosize_v<SmemLayoutO>>> o;
         uint64_t q_full;
         uint64_t q_empty;
+        uint64_t o_free;  // with kOAliasesV: the consumer warpgroups' output stores have read the buffer
         TmaRing<kStages> k_ring;
         TmaRing<kStages> v_ring;
+
+        __device__ __forceinline__ Element* o_buffer() {
+            if constexpr (kOAliasesV) {
+                return v.data();
+            } else {
+                return o.data();
+            }
+        }
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+    static_assert(kSmemBytes <= kSmemLimit);
 };
 
 }  // namespace flash::sm90
