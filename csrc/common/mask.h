@@ -11,19 +11,23 @@
 
 namespace flash {
 
-// Sets to -inf every score whose key is past sk or outside its row's window.
-template <class TensorS, class TensorC>
+// Sets to -inf every score whose key is past sk or outside its row's window. A caller that knows the tile lies
+// inside every row's left window edge passes kLeftEdge = false, which saves one compare per score.
+template <bool kLeftEdge = true, class TensorS, class TensorC>
 __device__ __forceinline__ void apply_mask(TensorS& s, TensorC const& coord, AttnWindow const& w, int row0,
                                            int col0) {
+    // Bounds are taken relative to this thread's first column, so that each score compares a register with a
+    // compile-time offset (its column's distance from the first), not with a column computed per score.
+    int const col_base = col0 + cute::get<1>(coord(0, 0));
     CUTE_UNROLL
     for (int r = 0; r < cute::size<0>(s); ++r) {
         int const diag = row0 + cute::get<0>(coord(r, 0)) + w.diag_offset();
-        int const lo = w.left >= 0 ? diag - w.left : INT_MIN;
-        int const hi = w.right >= 0 ? min(diag + w.right, w.sk - 1) : w.sk - 1;
+        int const lo = kLeftEdge && w.left >= 0 ? diag - w.left - col_base : INT_MIN;
+        int const hi = (w.right >= 0 ? min(diag + w.right, w.sk - 1) : w.sk - 1) - col_base;
         CUTE_UNROLL
         for (int c = 0; c < cute::size<1>(s); ++c) {
-            int const col = col0 + cute::get<1>(coord(r, c));
-            if (col < lo || col > hi) { s(r, c) = -INFINITY; }
+            int const dc = cute::get<1>(coord(r, c)) - cute::get<1>(coord(0, 0));
+            if ((kLeftEdge && dc < lo) || dc > hi) { s(r, c) = -INFINITY; }
         }
     }
 }

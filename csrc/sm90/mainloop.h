@@ -190,16 +190,16 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
     }
 
     // Score mods and mask of S(n_block); `masked` and `mods` (whether a softcap or ALiBi may apply) are bools or
-    // compile-time constants.
+    // compile-time constants, `left_edge` (whether the mask tests the left window edge) a compile-time constant.
     bool const has_mods = params.has_softcap || params.alibi_slopes != nullptr;
-    auto scores = [&](auto& acc_s, int n_block, auto masked, auto mods) __attribute__((always_inline)) {
+    auto scores = [&](auto& acc_s, int n_block, auto masked, auto left_edge, auto mods) __attribute__((always_inline)) {
         auto s_rc = rowcol_view(acc_s);
         int const col0 = n_block * kBlockN;
         if (mods && params.has_softcap) { apply_softcap(acc_s, params.softcap_pre); }
         if (mods && params.alibi_slopes != nullptr) {
             apply_alibi(s_rc, coord_s_rc, row0, col0, window.diag_offset(), alibi_slope);
         }
-        if (masked) { apply_mask(s_rc, coord_s_rc, window, row0, col0); }
+        if (masked) { apply_mask<decltype(left_edge)::value>(s_rc, coord_s_rc, window, row0, col0); }
         softmax.max_and_scale(s_rc, params.scale_log2, alpha);
         softmax.exponentiate(s_rc, params.scale_log2);
     };
@@ -216,10 +216,10 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
         warpgroup_wait<0>();
         shared.k_ring.release(k_state);
         k_state.advance();
-        scores(acc_s, n_block, Range::needs_mask(window, m_block, n_block), has_mods);
+        scores(acc_s, n_block, Range::needs_mask(window, m_block, n_block), cute::true_type{}, has_mods);
         keep_p(acc_s);
     }
-    auto step = [&](int n_block, auto masked, auto mods) __attribute__((always_inline)) {
+    auto step = [&](int n_block, auto masked, auto left_edge, auto mods) __attribute__((always_inline)) {
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
         shared.k_ring.wait(k_state);  // before taking the turn, as FlashAttention-3 and -4 do
         turns.wait();
@@ -231,7 +231,7 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
         warpgroup_wait<1>();  // S(n) is done (wgmma batches complete in order)
         shared.k_ring.release(k_state);
         k_state.advance();
-        scores(acc_s, n_block, masked, mods);
+        scores(acc_s, n_block, masked, left_edge, mods);
         warpgroup_wait<0>();
         shared.v_ring.release(v_state);
         v_state.advance();
@@ -239,16 +239,19 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
         keep_p(acc_s);
     };
     // Masked blocks come first (keys past the end, the causal or right window edge), then unmasked ones, then the
-    // blocks the left window edge crosses. The loops come in two copies, with and without score mods, chosen once per
-    // tile: a branch on the mods inside a step splits the softmax from the O GEMM's wait, and ptxas then hoists the
-    // wait over the softmax, which then no longer overlaps the O GEMM.
+    // blocks the left window edge crosses. The first run's blocks lie at or past unmasked.lo, inside every row's left
+    // edge, so their mask tests the right edge only. The loops come in two copies, with and without score mods,
+    // chosen once per tile: a branch on the mods inside a step splits the softmax from the O GEMM's wait, and ptxas
+    // then hoists the wait over the softmax, which then no longer overlaps the O GEMM.
     Interval const unmasked = Range::unmasked_n_blocks(window, m_block);
     int const unmasked_hi = cute::max(n_range.lo, cute::min(unmasked.hi, n_range.hi));
     int const unmasked_lo = cute::max(n_range.lo, cute::min(unmasked.lo, unmasked_hi));
     auto key_loops = [&](auto mods) __attribute__((always_inline)) {
-        for (--n_block; n_block >= unmasked_hi; --n_block) { step(n_block, cute::true_type{}, mods); }
-        for (; n_block >= unmasked_lo; --n_block) { step(n_block, cute::false_type{}, mods); }
-        for (; n_block >= n_range.lo; --n_block) { step(n_block, cute::true_type{}, mods); }
+        for (--n_block; n_block >= unmasked_hi; --n_block) {
+            step(n_block, cute::true_type{}, cute::false_type{}, mods);
+        }
+        for (; n_block >= unmasked_lo; --n_block) { step(n_block, cute::false_type{}, cute::false_type{}, mods); }
+        for (; n_block >= n_range.lo; --n_block) { step(n_block, cute::true_type{}, cute::true_type{}, mods); }
     };
     if (has_mods) {
         key_loops(cute::true_type{});
