@@ -82,24 +82,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     turns.init();
     typename Traits::TiledMmaO mma_o;
     for (int idx = blockIdx.x; idx < args.num_tiles; idx += gridDim.x) {
-        Tile const t = tile_at(idx);
-        if (!t.blk.valid) { continue; }
         Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         clear(acc_o);
         auto acc_o_rc = rowcol_view(acc_o);
         constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
         OnlineSoftmax<kRows> softmax;
         softmax.init();
-        if (!t.n_range.empty()) {
-            float const alibi_slope =
-                params.alibi_slopes == nullptr
-                    ? 0.f
-                    : params.alibi_slopes[t.blk.batch * params.alibi_batch_stride + t.blk.head] / params.logit_scale;
-            consume<Traits>(params, shared, t.window, t.blk.block, t.n_range, alibi_slope, ctid, state, turns, acc_o,
-                            softmax);
+        {
+            Tile const t = tile_at(idx);
+            if (!t.blk.valid) { continue; }
+            if (!t.n_range.empty()) {
+                float const alibi_slope = params.alibi_slopes == nullptr
+                                              ? 0.f
+                                              : params.alibi_slopes[t.blk.batch * params.alibi_batch_stride +
+                                                                    t.blk.head] /
+                                                    params.logit_scale;
+                consume<Traits>(params, shared, t.window, t.blk.block, t.n_range, alibi_slope, ctid, state, turns,
+                                acc_o, softmax);
+            }
         }
         float lse[kRows];
         softmax.finalize(acc_o_rc, params.logit_scale, lse);
+        // Decoded again for the epilogue: kept live across the key loop, the tile's coordinates spilled (d 256).
+        Tile const t = tile_at(reread(idx));
         // A tile without keys loaded nothing, so the producer does not wait for its output buffer: it stores from
         // registers.
         bool const via_tma = params.cu_seqlens_q == nullptr && params.seqused_q == nullptr && !t.n_range.empty();
