@@ -7,9 +7,13 @@ what=${1:-all}; shift || true
 out=${OUT:-gpu_logs}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
+# Wheels carried in .whl: nvidia-cutlass (needed), and pytest-xdist with execnet (optional: the tests then run in 8
+# processes on the one GPU, ~40 s instead of several minutes).
 if ! python3 -c "import cutlass_library" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps .whl/*.whl || exit 1
 fi
+workers=()
+python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
 t0=$(date +%s)
 MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install -e . --no-build-isolation -v > "$out/build.log" 2>&1 \
   || { grep -v "^ *$" "$out/build.log" | tail -60; exit 1; }
@@ -18,10 +22,10 @@ grep -h "kernels built\|hdim.*: [0-9]* s" "$out/build.log" | tail -30
 python3 benchmark/ptxas_report.py build/kernels > "$out/ptxas.txt"
 grep -v "regs=.* stack=0 spill=0/0" "$out/ptxas.txt" || echo "ptxas: no kernel has a stack frame or spills"
 if [ "$what" = test ] || [ "$what" = all ]; then
-  python3 -m pytest -m cuda tests -q -x -p no:cacheprovider 2>&1 | tee "$out/test.log" | tail -25
+  python3 -m pytest -m cuda tests -q -x "${workers[@]}" -p no:cacheprovider 2>&1 | tee "$out/test.log" | tail -25
   # The default tier on an H100/H200 is SM90 (forward); the SM80 tier's forward runs there too, by override.
-  FLASH_ATTN_TIER=sm80 python3 -m pytest -m cuda tests/test_fwd.py tests/test_varlen.py -q -x -p no:cacheprovider \
-    2>&1 | tee "$out/test_sm80.log" | tail -5
+  FLASH_ATTN_TIER=sm80 python3 -m pytest -m cuda tests/test_fwd.py tests/test_varlen.py -q -x "${workers[@]}" \
+    -p no:cacheprovider 2>&1 | tee "$out/test_sm80.log" | tail -5
 fi
 if [ "$what" = sanitize ]; then
   dims=$(python3 -c "from flash_attention import _ops; print(' '.join(sorted({str(hd) for (_, _, hd, _) in _ops.available_kernels()}, key=int)))")
