@@ -80,8 +80,8 @@ __device__ __forceinline__ int thread_index_reread() {
     return idx;
 }
 
-// x passed through volatile asm, for the same reason where a loop, not the launch, gives the index: what is derived
-// from the result is derived again rather than kept live from an earlier derivation.
+// The same for an index that a loop gives rather than the launch: values derived from the result are computed again
+// instead of being kept live from an earlier derivation from x.
 __device__ __forceinline__ int reread(int x) {
     asm volatile("" : "+r"(x));
     return x;
