@@ -32,9 +32,25 @@ fp32 on the query heads of kv head 0.
     python benchmark/bench.py --varlen                    # uniform, diffusion, equal; head dims 64, 128; both masks
     python benchmark/bench.py --varlen --mode bwd --json varlen_bwd.json
     python benchmark/bench.py --varlen equal,diffusion --hdims 128 --causal yes
+
+Eager time per call (--eager, with --mode fwd or fwdbwd; also bwd): the host path of a call (argument handling,
+dispatch, allocation, launch), which is what a tiny shape such as a decode step costs. Per provider and round:
+--warmup calls and a synchronize, then --iters (default 500) back-to-back calls between two synchronizes, timed with
+time.perf_counter; the per-call time is the elapsed time / --iters, and the table shows its median over --rounds
+(default 10) rounds, providers in random order every round, in us; the JSON keeps every round's. Forward + backward
+is a fresh forward and torch.autograd.grad of it, per call. Default shapes (b,sq,sk,h,hk,d): 1,1,128,8,8,128 and
+1,128,128,8,8,64 (--shape replaces them). The peers by default include SDPA's MATH backend (sdpa_math). The SDPA
+peers are timed as SDPA's callers run it: F.scaled_dot_product_attention alone, on (b, h, s, d) views made outside
+the timing, with its backend chosen once around the timed calls rather than per call. Ratios ours/peer are peer
+time / ours, as in the throughput table: > 1 means ours is faster.
+
+    python benchmark/bench.py --eager --json eager_fwd.json
+    python benchmark/bench.py --eager --mode fwdbwd --json eager_fwdbwd.json
+    python benchmark/bench.py --eager --shape 4,1,4096,32,8,128 --causal no --iters 1000
 """
 
 import argparse
+import contextlib
 import datetime
 import functools
 import itertools
@@ -43,6 +59,7 @@ import math
 import random
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +69,9 @@ from torch.nn.attention.bias import causal_lower_right
 from flash_attention import flash_attn_func, flash_attn_varlen_func
 
 PEERS = ("sdpa_flash", "sdpa_cudnn", "sdpa_eff", "fa2", "fa4")
+# SDPA's MATH backend materializes the scores: a default peer only of the eager mode, whose shapes are tiny.
+EAGER_PEERS = PEERS + ("sdpa_math",)
+EAGER_SHAPES = ((1, 1, 128, 8, 8, 128), (1, 128, 128, 8, 8, 64))  # a decode step; a short prefill
 # Peers that get an ours/peer column and summary: (provider, column label).
 RATIO_PEERS = (("sdpa_flash", "flash"), ("sdpa_cudnn", "cudnn"), ("fa4", "fa4"))
 # What each mode times and its FLOPs over the forward's: the backward runs 5 matmuls of the forward's size
@@ -61,21 +81,27 @@ SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa_eff": SDPBackend.EFFICIENT_ATTENTION,
+    "sdpa_math": SDPBackend.MATH,
 }
 RELERR_LIMIT = 2e-2  # far above bf16 rounding (~2e-3 relative); a result beyond it is wrong, not imprecise
 
 
+def sdpa_attention(q, k, v, causal):
+    """F.scaled_dot_product_attention on SDPA's (b, h, s, d) layout, with the package's causal mask."""
+    sq, sk = q.shape[2], k.shape[2]
+    # A single query row sees every key under the bottom-right mask: no mask, as a decode step calls SDPA.
+    causal = causal and sq > 1
+    # SDPA's is_causal is aligned top-left; the package (and flash-attn) align bottom-right. The lower-right bias
+    # picks its kernel itself (flash when it can), whatever backend sdpa_kernel enables.
+    mask = causal_lower_right(sq, sk) if causal and sq != sk else None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 def sdpa_provider(backend):
     def run(q, k, v, causal):
-        sq, sk = q.shape[1], k.shape[1]
-        # SDPA's is_causal is aligned top-left; the package (and flash-attn) align bottom-right.
-        mask = causal_lower_right(sq, sk) if causal and sq != sk else None
         with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                is_causal=causal and mask is None, enable_gqa=q.shape[2] != k.shape[2],
-            )
-        return out.transpose(1, 2)
+            return sdpa_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal).transpose(1, 2)
 
     return run
 
@@ -95,7 +121,7 @@ def make_provider(name, tier):
         from flash_attn.cute import flash_attn_func as fa4_func
 
         return lambda q, k, v, causal: fa4_func(q, k, v, causal=causal)[0]  # FA4 returns (out, lse)
-    raise ValueError(f"unknown provider {name!r}; known: ours, ours_det, {', '.join(PEERS)}")
+    raise ValueError(f"unknown provider {name!r}; known: ours, ours_det, {', '.join(EAGER_PEERS)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -213,7 +239,7 @@ def make_varlen_binder(name, tier):
             return result[0] if isinstance(result, tuple) else result
 
         return with_cu(fa4)
-    raise ValueError(f"unknown provider {name!r}; known: ours, ours_det, ours_batched, {', '.join(PEERS)}")
+    raise ValueError(f"unknown provider {name!r}; known: ours, ours_det, ours_batched, {', '.join(EAGER_PEERS)}")
 
 
 def varlen_reference(q, k, v, causal, lengths, dout=None):
@@ -280,8 +306,7 @@ def run_varlen(args, dtype, backward, flops_factor):
         del q, k, v, dout, refs
 
         cells = [mix, str(len(lengths)), str(max(lengths)), str(h), str(d), "yes" if causal else "no"]
-        cells += [fmt(row[f"{n}_tflops"], ".1f") + ("!" if n in bad else "") for n in names]
-        cells += [fmt(row[key], ".3f") for _, _, key in ratios]
+        cells += result_cells(row, names, bad, ratios, args.eager)
         print("  ".join(c.rjust(w) for c, w in zip(cells, widths)), flush=True)
     return rows, names, ratios
 
@@ -323,15 +348,31 @@ def time_samples_ms(fn, warmup, iters):
     return [start.elapsed_time(end) for start, end in zip(starts, ends)]
 
 
-def time_providers_ms(fns, warmup, iters, rounds, rng):
-    """Median time of each provider over `rounds` rounds of warm-up + iters calls, in a fresh random order every
-    round. The clock and power state that one provider leaves behind (FA4 and cuDNN heat the GPU most) then falls on
-    a different provider each time; in a fixed or rotated order it always falls on the same successor."""
+def eager_samples_ms(fn, warmup, iters):
+    """One sample: the wall time per call of `iters` back-to-back calls, from an idle GPU to the synchronize after
+    the last. Tiny kernels finish before the next launch, so this is the host path's time; where the GPU is the
+    slower side it is the GPU's time per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return [(time.perf_counter() - start) * 1e3 / iters]
+
+
+def sample_providers(fns, sample, rounds, rng, pins):
+    """The samples (ms) of each provider over `rounds` rounds of `sample(fn)`, under its pin (a context manager
+    factory), in a fresh random order every round. The clock and power state that one provider leaves behind (FA4 and
+    cuDNN heat the GPU most) then falls on a different provider each time; in a fixed or rotated order it always falls
+    on the same successor."""
     samples = {name: [] for name in fns}
     for _ in range(rounds):
         for name in rng.sample(list(fns), len(fns)):
-            samples[name] += time_samples_ms(fns[name], warmup, iters)
-    return {name: statistics.median(s) for name, s in samples.items()}
+            with pins[name]():
+                samples[name] += sample(fns[name])
+    return samples
 
 
 def reference_subset(q, k, v, causal, dout=None):
@@ -392,9 +433,9 @@ def parse_ints(text):
 
 def parse_peers(text):
     peers = [p for p in text.split(",") if p]
-    unknown = [p for p in peers if p not in PEERS]
+    unknown = [p for p in peers if p not in EAGER_PEERS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown peers {','.join(unknown)}; known: {','.join(PEERS)}")
+        raise argparse.ArgumentTypeError(f"unknown peers {','.join(unknown)}; known: {','.join(EAGER_PEERS)}")
     return peers
 
 
@@ -451,17 +492,33 @@ def plot(rows, providers, path, what):
     print(f"plot written to {path}")
 
 
+def heads_first(t):
+    """(b, s, h, d) -> a (b, h, s, d) view of the same storage, a leaf requiring grad as `t` does (for the eager
+    mode's SDPA, whose gradients are then taken with respect to these views)."""
+    return None if t is None else t.detach().transpose(1, 2).requires_grad_(t.requires_grad)
+
+
 def measure_row(row, attns, names, args, q, k, v, causal, dout, check, flops, ratios, rng):
     """One shape of either sweep: each provider (`attns`: name -> a function returning its attention callable) is
     run once and checked (`check(results)` -> relative error per output, or None to skip), the ones that ran are
-    timed together, and `row` gets their TFLOPS, ms, errors and the ratio columns. Returns the providers whose check
-    failed."""
-    bad, runnable = set(), {}
+    timed together, and `row` gets their TFLOPS, ms (and with --eager us per call, median and per round), errors
+    and the ratio columns. Returns the providers whose check failed."""
+    bad, runnable, pins = set(), {}, {}
     for name in names:
-        row[f"{name}_tflops"] = None
+        row[f"{name}_tflops"] = row[f"{name}_ms"] = None
     for name, make_attn in attns.items():
         try:
-            results, call = prepare_call(args.mode, make_attn(), q, k, v, causal, dout)
+            attn, inputs, pin = make_attn(), (q, k, v, dout), contextlib.nullcontext
+            eager_sdpa = args.eager and name in SDPA_BACKENDS
+            if eager_sdpa:
+                # SDPA as its callers run it: on its own layout (views made here, outside the timing) and with the
+                # backend chosen once around the timed calls; sdpa_kernel's enter and exit cost several us a call.
+                attn, inputs = sdpa_attention, [heads_first(t) for t in inputs]
+                pin = functools.partial(sdpa_kernel, [SDPA_BACKENDS[name]])
+            with pin():
+                results, call = prepare_call(args.mode, attn, *inputs[:3], causal, inputs[3])
+            if eager_sdpa:
+                results = {key: t.transpose(1, 2) for key, t in results.items()}
             if not all(torch.isfinite(t).all() for t in results.values()):
                 raise RuntimeError("non-finite output")
             if check is not None:
@@ -472,16 +529,30 @@ def measure_row(row, attns, names, args, q, k, v, causal, dout, check, flops, ra
                 if not all(error <= RELERR_LIMIT for error in errors.values()):
                     bad.add(name)
             del results
-            runnable[name] = call
+            runnable[name], pins[name] = call, pin
         except Exception as e:  # one failing provider must not stop the others
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    for name, ms in time_providers_ms(runnable, args.warmup, args.iters, args.rounds, rng).items():
+    sample = functools.partial(eager_samples_ms if args.eager else time_samples_ms, warmup=args.warmup,
+                               iters=args.iters)
+    for name, samples in sample_providers(runnable, sample, args.rounds, rng, pins).items():
+        ms = statistics.median(samples)
         row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
         row[f"{name}_ms"] = ms
+        if args.eager:  # one sample a round: keep them all
+            row[f"{name}_us"], row[f"{name}_us_rounds"] = ms * 1e3, [x * 1e3 for x in samples]
+    # Over the same FLOPs, the throughput ratio is the inverse time ratio: > 1 means ours is faster in both modes.
     for num, den, key in ratios:
-        mine, theirs = row[f"{num}_tflops"], row[f"{den}_tflops"]
-        row[key] = mine / theirs if mine and theirs else None
+        mine, theirs = row[f"{num}_ms"], row[f"{den}_ms"]
+        row[key] = theirs / mine if mine and theirs else None
     return bad
+
+
+def result_cells(row, names, bad, ratios, eager):
+    """A row's table cells after its shape: each provider's TFLOPS (with --eager its us per call), '!' where its
+    check failed, then the ratios."""
+    unit = "us" if eager else "tflops"
+    cells = [fmt(row.get(f"{n}_{unit}"), ".1f") + ("!" if n in bad else "") for n in names]
+    return cells + [fmt(row[key], ".3f") for _, _, key in ratios]
 
 
 def run_batched(args, dtype, backward, flops_factor):
@@ -520,8 +591,7 @@ def run_batched(args, dtype, backward, flops_factor):
         rows.append(row)
 
         cells = [str(b), str(sq), str(sk), str(h), str(hk), str(d), "yes" if causal else "no"]
-        cells += [fmt(row[f"{n}_tflops"], ".1f") + ("!" if n in bad else "") for n in names]
-        cells += [fmt(row[key], ".3f") for _, _, key in ratios]
+        cells += result_cells(row, names, bad, ratios, args.eager)
         print("  ".join(c.rjust(w) for c, w in zip(cells, widths)), flush=True)
     return rows, names, ratios
 
@@ -540,6 +610,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=tuple(MODES), default="fwd",
                         help="time the forward, the backward, or forward + backward")
+    parser.add_argument("--eager", action="store_true", help="time the eager time per call (us) instead of "
+                        f"throughput; default shapes {' '.join(','.join(map(str, s)) for s in EAGER_SHAPES)}")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--hdims", type=parse_ints, default=None,
                         help="head dims of the default sweep (64,128,256; with --varlen 64,128)")
@@ -553,18 +625,28 @@ def main():
     parser.add_argument("--varlen", type=parse_mixes, nargs="?", const="all", metavar="MIXES",
                         help=f"time variable-length batches instead: comma-separated mixes of "
                         f"{','.join(VARLEN_MIXES)} (all when no value is given)")
-    parser.add_argument("--peers", type=parse_peers, default=",".join(PEERS),
-                        help=f"comma-separated subset of {','.join(PEERS)}")
+    parser.add_argument("--peers", type=parse_peers, default=None,
+                        help=f"comma-separated subset of {','.join(EAGER_PEERS)} (default: all but sdpa_math; "
+                        "with --eager all)")
     parser.add_argument("--tier", default=None, help="force a tier of ours, e.g. sm80")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=30, help="timed calls per provider and round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per shape, providers in random order")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed calls per provider and round (default 30; with --eager 500)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds per shape, providers in random order (default 5; with --eager 10)")
     parser.add_argument("--no-check", action="store_true", help="skip the fp32 accuracy check")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--png", metavar="PATH")
     args = parser.parse_args()
     if args.varlen and args.shape:
         parser.error("--shape is for the batched sweep; --varlen takes its lengths from the mixes")
+    if args.varlen and args.eager:
+        parser.error("--eager times batched shapes (--shape), not --varlen")
+    args.peers = args.peers or list(EAGER_PEERS if args.eager else PEERS)
+    args.iters = args.iters or (500 if args.eager else 30)
+    args.rounds = args.rounds or (10 if args.eager else 5)
+    if args.eager:
+        args.shape = args.shape or list(EAGER_SHAPES)
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     what, flops_factor = MODES[args.mode]
@@ -574,6 +656,9 @@ def main():
     print(f"{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, {args.dtype}, {what}"
           + (f", varlen {args.tokens} tokens" if args.varlen else "")
           + f", {args.rounds} rounds of warm-up {args.warmup} + {args.iters} timed calls, median")
+    if args.eager:
+        print("eager time per call in us (wall time of the timed calls between two synchronizes / calls); "
+              "ours/peer = peer time / ours time, > 1: ours is faster")
     if args.varlen:
         rows, names, ratios = run_varlen(args, dtype, backward, flops_factor)
     else:
@@ -604,7 +689,8 @@ def main():
 
     if args.json:
         meta = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, dtype=args.dtype, mode=args.mode,
-                    tier=args.tier, warmup=args.warmup, iters=args.iters, command=" ".join(sys.argv),
+                    eager=args.eager, tier=args.tier, warmup=args.warmup, iters=args.iters, rounds=args.rounds,
+                    command=" ".join(sys.argv),
                     date=datetime.datetime.now().isoformat(timespec="seconds"))
         if args.varlen:
             meta.update(varlen=args.varlen, tokens=args.tokens,
@@ -613,8 +699,8 @@ def main():
             json.dump(dict(meta=meta, summary=summary, rows=rows), f, indent=1)
         print(f"results written to {args.json}")
     if args.png:
-        if args.varlen:
-            print("--png draws the batched sweep only; no plot for --varlen")
+        if args.varlen or args.eager:
+            print("--png draws the batched throughput sweep only; no plot for --varlen or --eager")
         else:
             plot(rows, names, args.png, what)
 
