@@ -28,7 +28,7 @@ if [ "$what" = test ] || [ "$what" = all ]; then
     -p no:cacheprovider 2>&1 | tee "$out/test_sm80.log" | tail -5
 fi
 if [ "$what" = sanitize ]; then
-  dims=$(python3 -c "from flash_attention import _ops; print(' '.join(sorted({str(hd) for (_, _, hd, _) in _ops.available_kernels()}, key=int)))")
+  dims=$(python3 -c "from flash_attention import _dispatch; print(' '.join(sorted({str(key[2]) for key in _dispatch.available_kernels()}, key=int)))")
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --print-limit 20 python3 benchmark/small_case.py $dims 2>&1 | tee "$out/sanitize_$tool.log" | tail -6
   done

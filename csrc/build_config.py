@@ -1,6 +1,7 @@
-"""Where CUTLASS is, which archs and head dims to build, and the nvcc command for one kernel source.
+"""Where CUTLASS is, which archs, kinds, head dims and dtypes to build, and the nvcc command for one kernel source.
 
-Shared by setup.py (the real build) and csrc/compile_check.py (CI's compile-only check).
+Shared by setup.py (the real build) and csrc/compile_check.py (CI's compile-only check); what exists comes from the
+catalog (flash_attention/_catalog.py), the environment only narrows it.
 """
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import os
 import shutil
 from pathlib import Path
 
+from generate_kernels import catalog
+
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
-DEFAULT_ARCHS = (80, 90, 120)
 
 CUTLASS_HELP = (
     "flash-attention-cute needs the CUTLASS 4.2 headers. Either `pip install nvidia-cutlass==4.2.0.0 --no-deps`, "
@@ -34,24 +36,31 @@ def cutlass_include_dirs() -> list[Path]:
     raise RuntimeError(CUTLASS_HELP)
 
 
+def _env_list(name: str) -> list[str] | None:
+    raw = os.environ.get(name)
+    return [x.strip() for x in raw.replace(";", ",").split(",") if x.strip()] if raw else None
+
+
 def requested_archs() -> list[int]:
-    """FLASH_ATTN_CUDA_ARCHS, e.g. "80;90;120" (also accepts commas and a trailing 'a')."""
-    raw = os.environ.get("FLASH_ATTN_CUDA_ARCHS")
-    if not raw:
-        return list(DEFAULT_ARCHS)
-    return [int(a.strip().rstrip("a")) for a in raw.replace(",", ";").split(";") if a.strip()]
+    """FLASH_ATTN_CUDA_ARCHS, e.g. "80;90;120" (also accepts commas and a trailing 'a'); default: the catalog's."""
+    raw = _env_list("FLASH_ATTN_CUDA_ARCHS")
+    return [int(a.rstrip("a")) for a in raw] if raw else list(catalog.DEFAULT_ARCHS)
 
 
 def requested_head_dims() -> list[int] | None:
     """FLASH_ATTN_HEAD_DIMS, e.g. "128" or "64,128": build only these kernel head dims (for fast iteration)."""
-    raw = os.environ.get("FLASH_ATTN_HEAD_DIMS")
-    return [int(x) for x in raw.replace(";", ",").split(",") if x.strip()] if raw else None
+    raw = _env_list("FLASH_ATTN_HEAD_DIMS")
+    return [int(x) for x in raw] if raw else None
 
 
-def requested_directions() -> list[str] | None:
-    """FLASH_ATTN_DIRECTIONS, e.g. "fwd": build only these directions (for fast iteration on one of them)."""
-    raw = os.environ.get("FLASH_ATTN_DIRECTIONS")
-    return [x.strip() for x in raw.replace(";", ",").split(",") if x.strip()] if raw else None
+def requested_kinds() -> list[str] | None:
+    """FLASH_ATTN_KINDS (or its older name FLASH_ATTN_DIRECTIONS), e.g. "fwd": build only these kernel kinds."""
+    return _env_list("FLASH_ATTN_KINDS") or _env_list("FLASH_ATTN_DIRECTIONS")
+
+
+def requested_dtypes() -> list[str] | None:
+    """FLASH_ATTN_DTYPES, e.g. "bf16": build only the kernels taking these input dtypes."""
+    return _env_list("FLASH_ATTN_DTYPES")
 
 
 def nvcc_path() -> str:

@@ -1,5 +1,5 @@
-"""CI's compile check: compiles one kernel source per tier and direction with nvcc for that tier's first arch (no GPU
-needed) and prints the ptxas resource report (registers, spills, shared memory)."""
+"""CI's compile check: compiles one kernel source per tier and kind of the catalog with nvcc for that tier's first arch
+(no GPU needed) and prints the ptxas resource report (registers, spills, shared memory)."""
 import re
 import subprocess
 import sys
@@ -11,14 +11,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_config  # noqa: E402
 import generate_kernels  # noqa: E402
 
-# The head dim most users run; one file per tier keeps CI inside its time budget.
+# The head dim most users run; one file per tier and kind keeps CI inside its time budget.
 CHECK_HEAD_DIM = 128
 
 
 def main() -> int:
     failed = False
     for src in generate_kernels.kernel_sources(head_dims=[CHECK_HEAD_DIM], dtypes=["bf16"]):
-        tier = generate_kernels.TIERS[src.tier]
+        tier = generate_kernels.catalog.TIERS[src.tier]
         arch = tier.archs[0]
         with tempfile.TemporaryDirectory() as tmp:
             cmd = build_config.nvcc_command(src.path, Path(tmp) / "k.o", [arch], None, tier.arch_suffix,

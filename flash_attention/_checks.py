@@ -6,11 +6,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._kernel_dims import KERNEL_HEAD_DIMS
-from ._ops import parse_tier_name
+from ._catalog import MAX_HEAD_DIM
+from ._dispatch import DTYPE_NAMES, parse_tier_name
 
-_DTYPES = (torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = KERNEL_HEAD_DIMS[-1]
+_DTYPES = tuple(DTYPE_NAMES)
 CHECK_VARLEN_ENV_VAR = "FLASH_ATTN_CHECK_VARLEN"
 
 

@@ -37,16 +37,21 @@ def _check_dropout(dropout_p) -> None:
         raise NotImplementedError(f"dropout is not supported yet: dropout_p must be 0.0, got {dropout_p}")
 
 
-def _attention(op, q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes, deterministic, tier):
-    """op (fwd or varlen_fwd) on validated q, k, v, with the head dim zero-padded to a multiple of 8 and the padding
-    sliced off the output; `sequences` are varlen_fwd's sequence arguments, () for fwd. Returns (out, lse)."""
+# The sequence arguments of a batched call: no cu_seqlens or seqused, max_seqlen 0 (the tensors' rows).
+_BATCHED = (None, None, None, None, 0, 0)
+
+
+def _attention(q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes, deterministic, tier):
+    """The attention op on validated q, k, v, with the head dim zero-padded to a multiple of 8 and the padding sliced
+    off the output; `sequences`: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k), or
+    _BATCHED. Returns (out, lse)."""
     # The kernels read rows of the head dim as 16-byte vectors: a strided last dimension is copied, as flash-attn does.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     d = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = d ** -0.5  # the original head dim, not the padded one
-    out, lse = op(pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), *sequences, float(softmax_scale), *window,
-                  float(softcap), alibi_slopes, bool(deterministic), tier)
+    out, lse = _ops.attention(pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), *sequences, float(softmax_scale),
+                              *window, float(softcap), alibi_slopes, bool(deterministic), tier)
     return (out if out.shape[-1] == d else out[..., :d]), lse
 
 
@@ -54,7 +59,7 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     _check_dropout(dropout_p)
     _checks.check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier)
     window = normalize_window(_checks.window_pair(window_size), causal, q.shape[1], k.shape[1])
-    return _attention(_ops.fwd, q, k, v, (), softmax_scale, window, softcap, alibi_slopes, deterministic, tier)
+    return _attention(q, k, v, _BATCHED, softmax_scale, window, softcap, alibi_slopes, deterministic, tier)
 
 
 def _varlen_forward(q, k, v, sequences, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -73,8 +78,7 @@ def _varlen_forward(q, k, v, sequences, dropout_p, softmax_scale, causal, window
     # max_seqlen is a hint that the kernels do not trust.
     window = normalize_window(_checks.window_pair(window_size), causal, q.shape[0], k.shape[0])
     sequences = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
-    return _attention(_ops.varlen_fwd, q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes,
-                      deterministic, tier)
+    return _attention(q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes, deterministic, tier)
 
 
 def flash_attn_func(

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from flash_attention import _ops
+from flash_attention import _dispatch
 
 
 def pytest_configure(config):
@@ -11,7 +11,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         reason = "no CUDA GPU"
-    elif not _ops.extension_available():
+    elif not _dispatch.extension_available():
         reason = "the CUDA extension flash_attention._C is not built or fails to import"
     else:
         return

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import pytest
 import torch
 
-from flash_attention import _ops, flash_attn_func
+from flash_attention import _catalog, _dispatch, flash_attn_func
 from reference import attention_mask, attention_ref
 
 fp16, bf16 = torch.float16, torch.bfloat16
@@ -137,11 +137,11 @@ def case_kwargs(case, alibi):
     return dict(causal=case.causal, window_size=case.window, softcap=case.softcap, alibi_slopes=alibi)
 
 
-def require_kernel(d, dtype, direction="fwd"):
-    """Skip when the build was restricted (FLASH_ATTN_HEAD_DIMS) and lacks the kernel for this head dim; direction is
+def require_kernel(d, dtype, kind="fwd"):
+    """Skip when the build was restricted (FLASH_ATTN_HEAD_DIMS) and lacks the kernel for this head dim; kind is
     "fwd" or "bwd"."""
     try:  # the ops' own tier choice (override, routing), whose error says which kernel the build lacks
-        _ops.resolve_tier(torch.device("cuda"), None, -(-d // 8) * 8, dtype, direction)
+        _dispatch.resolve_tier(torch.device("cuda"), None, -(-d // 8) * 8, dtype, kind)
     except RuntimeError as e:
         pytest.skip(f"not built (FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS): {e}")
 
@@ -174,7 +174,7 @@ def poison_allocator_varlen(q, k, batch):
     total_k, hk = k.shape[0], k.shape[1]
     shapes = []
     for extra in (0, 128 * batch):
-        for width in sorted({-(-d // 8) * 8, _ops.kernel_head_dim(-(-d // 8) * 8)}):
+        for width in sorted({-(-d // 8) * 8, _catalog.kernel_head_dim(-(-d // 8) * 8)}):
             rows_q, rows_k = total_q + extra, total_k + extra
             shapes += [(rows_q, h, width)] * 3 + [(rows_k, hk, width)] * 3 + [(rows_k, h, width)] * 2
         shapes += [(h, total_q + extra)] * 2

@@ -13,8 +13,9 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import flash_attention
-from flash_attention import (_checks, _ops, cute, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+from flash_attention import (_checks, _dispatch, _ops, cute, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                              flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+from flash_attention.interface import _BATCHED as BATCHED
 from flash_attention.interface import normalize_window, pad_head_dim
 from helpers import SelfAttention, output_and_grads
 from reference import attention_mask, attention_ref
@@ -126,7 +127,7 @@ REJECTED = [
      r"window_size must be a pair of integers >= -1"),
     ("softcap-negative", lambda: call(softcap=-1.0), ValueError, r"softcap must be a number >= 0"),
     ("softcap-nan", lambda: call(softcap=float("nan")), ValueError, r"softcap must be a number >= 0"),
-    ("tier-unknown", lambda: call(tier="sm75"), ValueError, r"unknown tier 'sm75'.*sm80, sm90, sm100"),
+    ("tier-unknown", lambda: call(tier="sm75"), ValueError, r"unknown tier 'sm75'.*sm80, sm90$"),
     ("tier-int", lambda: call(tier=80), TypeError, r"tier must be a string"),
     ("dropout", lambda: call(dropout_p=0.1), NotImplementedError, r"dropout is not supported yet"),
     ("dropout-negative", lambda: call(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
@@ -251,113 +252,6 @@ def test_rejected_varlen_input(fn, exc, match):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tier dispatch and kernel lookup
-
-def cc_id(cc):
-    return f"cc{cc[0]}{cc[1]}"
-
-
-@pytest.mark.parametrize("cc", [(8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0), (12, 1)], ids=cc_id)
-def test_default_tier(cc):
-    assert _ops.select_tier(cc) == ("sm90" if cc == (9, 0) else "sm80")
-
-
-SM90_AND_SM80 = frozenset({(90, "fwd", 128, "bf16"), (80, "fwd", 128, "bf16"), (80, "fwd", 96, "bf16"),
-                           (80, "bwd", 128, "bf16")})
-
-
-@pytest.mark.parametrize(
-    "available, tier, head_dim, direction, requested, expected",
-    [
-        (SM90_AND_SM80, "sm90", 128, "fwd", False, "sm90"),
-        (SM90_AND_SM80, "sm90", 96, "fwd", False, "sm80"),  # a head dim the SM90 tier lacks
-        (SM90_AND_SM80, "sm90", 128, "bwd", False, "sm80"),  # no SM90 backward: the SM80 one
-        (SM90_AND_SM80, "sm90", 96, "fwd", True, "sm80"),  # requested, built, but not for this head dim
-        (SM90_AND_SM80 - {(90, "fwd", 128, "bf16")}, "sm90", 128, "fwd", False, "sm80"),  # default tier not built
-        (SM90_AND_SM80 - {(90, "fwd", 128, "bf16")}, "sm90", 128, "fwd", True, "sm90"),  # requested: error later
-        (SM90_AND_SM80, "sm80", 128, "fwd", False, "sm80"),
-        (frozenset({(90, "fwd", 128, "bf16")}), "sm90", 96, "fwd", False, "sm90"),  # nothing to route to: error later
-    ],
-)
-def test_routed_tier(available, tier, head_dim, direction, requested, expected):
-    assert _ops.routed_tier(available, tier, head_dim, "bf16", direction, requested) == expected
-
-
-@pytest.mark.parametrize("cc", [(7, 5), (7, 0), (6, 1)], ids=cc_id)
-def test_old_gpu_rejected(cc):
-    with pytest.raises(RuntimeError, match=rf"compute capability {cc[0]}\.{cc[1]} are not supported"):
-        _ops.select_tier(cc)
-    with pytest.raises(RuntimeError, match="not supported"):
-        _ops.select_tier(cc, "sm80")
-
-
-@pytest.mark.parametrize(
-    "override, cc, expected",
-    [("sm80", (8, 0), "sm80"), ("sm80", (9, 0), "sm80"), ("sm80", (12, 0), "sm80"), ("SM90", (9, 0), "sm90"),
-     (" sm100 ", (10, 0), "sm100"), ("sm100", (10, 3), "sm100")],
-    ids=lambda x: cc_id(x) if isinstance(x, tuple) else repr(x).strip("'").strip(),
-)
-def test_tier_override(override, cc, expected):
-    assert _ops.select_tier(cc, override) == expected
-
-
-@pytest.mark.parametrize("override, cc", [("sm90", (8, 0)), ("sm90", (10, 0)), ("sm100", (9, 0)), ("sm100", (12, 0))],
-                         ids=lambda x: cc_id(x) if isinstance(x, tuple) else x)
-def test_tier_override_wrong_gpu(override, cc):
-    with pytest.raises(RuntimeError, match=rf"tier {override} .* cannot run on this GPU of compute capability"):
-        _ops.select_tier(cc, override)
-
-
-@pytest.mark.parametrize("override", ["sm75", "hopper", ""], ids=["sm75", "hopper", "empty"])
-def test_tier_override_unknown(override):
-    with pytest.raises(ValueError, match=r"unknown tier .*FLASH_ATTN_TIER.*expected one of: sm80, sm90, sm100"):
-        _ops.select_tier((9, 0), override)
-
-
-def test_tier_override_from_environment(monkeypatch):
-    monkeypatch.delenv("FLASH_ATTN_TIER", raising=False)
-    assert _ops.requested_tier(None) is None
-    monkeypatch.setenv("FLASH_ATTN_TIER", "")
-    assert _ops.requested_tier(None) is None
-    monkeypatch.setenv("FLASH_ATTN_TIER", "sm90")
-    assert _ops.requested_tier(None) == "sm90"
-    assert _ops.requested_tier("sm80") == "sm80"  # the argument wins
-
-
-@pytest.mark.parametrize(
-    "d, expected",
-    [(8, 32), (32, 32), (40, 64), (64, 64), (72, 96), (96, 96), (104, 128), (128, 128), (136, 192), (160, 192),
-     (192, 192), (200, 256), (224, 256), (256, 256)],
-    ids=lambda x: str(x),
-)
-def test_kernel_head_dim(d, expected):
-    assert _ops.kernel_head_dim(d) == expected
-
-
-BUILT = frozenset({(80, "fwd", 64, "bf16"), (80, "fwd", 128, "bf16"), (80, "fwd", 128, "fp16")})
-
-
-def test_kernel_available():
-    _ops.check_kernel_available(BUILT, "sm80", 128, "bf16")
-    _ops.check_kernel_available(BUILT, "sm80", 40, "bf16")  # runs on the 64 kernel
-    _ops.check_kernel_available(BUILT, "sm80", 112, "fp16")  # runs on the 128 kernel
-
-
-def test_kernel_missing_head_dim():
-    with pytest.raises(RuntimeError, match=r"no sm80 forward kernel for head dim 96 \(bf16\).*FLASH_ATTN_HEAD_DIMS"):
-        _ops.check_kernel_available(BUILT, "sm80", 72, "bf16")
-    with pytest.raises(RuntimeError, match=r"head dim 64 \(fp16\)"):
-        _ops.check_kernel_available(BUILT, "sm80", 64, "fp16")
-
-
-def test_kernel_missing_tier():
-    with pytest.raises(RuntimeError, match=r"tier sm90 is not built .*built tiers: sm80.*FLASH_ATTN_CUDA_ARCHS"):
-        _ops.check_kernel_available(BUILT, "sm90", 128, "bf16")
-    with pytest.raises(RuntimeError, match=r"built tiers: none"):
-        _ops.check_kernel_available(frozenset(), "sm80", 128, "bf16")
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Preparation of the kernel's inputs
 
 @pytest.mark.parametrize("d", [1, 13, 59, 111, 250])
@@ -439,29 +333,26 @@ def test_normalize_window_keeps_mask():
 
 @pytest.fixture
 def stub_kernel(monkeypatch):
-    """Let CPU tensors through and run the reference in place of the ops (fwd and varlen_fwd); returns the list of
-    calls they received."""
+    """Let CPU tensors through and run the reference in place of the kernels' forward (batched and varlen); returns
+    the list of calls it received."""
     calls = []
 
-    def fake_fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
-        calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, window=(window_left, window_right),
-                          deterministic=deterministic, tier=tier))
-        out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
-        return out.to(q.dtype), lse
-
-    def fake_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                        softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+    def fake_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
         calls.append(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                           seqused_k=seqused_k, max_seqlen=(max_seqlen_q, max_seqlen_k), softmax_scale=softmax_scale,
                           window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, tier=tier))
-        out, lse = varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
-                              window_size=(window_left, window_right), softcap=softcap, softmax_scale=softmax_scale)
+        if cu_seqlens_q is None:
+            out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
+        else:
+            out, lse = varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                                  window_size=(window_left, window_right), softcap=softcap,
+                                  softmax_scale=softmax_scale)
         return out.to(q.dtype), lse
 
     monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
-    monkeypatch.setattr(_ops, "fwd", fake_fwd)
-    monkeypatch.setattr(_ops, "varlen_fwd", fake_varlen_fwd)
+    monkeypatch.setattr(_ops, "forward_impl", fake_forward)
     return calls
 
 
@@ -544,8 +435,8 @@ def test_return_convention(stub_kernel):
 @pytest.fixture
 def no_extension(monkeypatch):
     """The extension fails to import, as in a build without CUDA: any kernel launch raises."""
-    monkeypatch.setattr(_ops, "_extension", None)
-    monkeypatch.setattr(_ops, "_EXTENSION_NAME", "flash_attention._no_such_extension")
+    monkeypatch.setattr(_dispatch, "_extension", None)
+    monkeypatch.setattr(_dispatch, "_EXTENSION_NAME", "flash_attention._no_such_extension")
 
 
 @pytest.mark.parametrize(
@@ -596,55 +487,49 @@ def test_compile_traces_one_graph(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # The autograd wiring on CPU, with stand-ins registered under the custom ops
 
-@pytest.fixture
-def standin_ops(monkeypatch):
-    """Let CPU tensors through and register CPU stand-ins under the custom ops (batched and varlen), so that their own
-    autograd formulas and fakes run: the forwards are the reference, the backwards return 2 * dout, 3 * k and 4 * v,
-    distinct for each input. Returns the calls they received, by op."""
+@pytest.fixture(params=["eager", "op"])
+def standin_ops(request, monkeypatch):
+    """Let CPU tensors through and put CPU stand-ins in place of the kernels, so that the autograd formula and the
+    fakes run, on either path: eagerly, or through the custom ops as torch.compile would. The forwards are the
+    reference, the backwards return 2 * dout, 3 * k and 4 * v, distinct for each input. Returns the calls they
+    received, by kind: fwd and bwd for batched calls, varlen_fwd and varlen_bwd for varlen ones."""
     calls = {"fwd": [], "bwd": [], "varlen_fwd": [], "varlen_bwd": []}
 
-    def fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
-        out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+        if cu_seqlens_q is None:
+            out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
+        else:
+            out, lse = varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                                  window_size=(window_left, window_right), softcap=softcap,
+                                  softmax_scale=softmax_scale)
         out = out.to(q.dtype, memory_format=torch.contiguous_format)  # laid out as the ops' fakes say
-        calls["fwd"].append(dict(q=q, k=k, v=v, out=out, lse=lse))
+        calls["fwd" if cu_seqlens_q is None else "varlen_fwd"].append(dict(q=q, k=k, v=v, out=out, lse=lse))
         return out, lse
 
-    def bwd(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-            deterministic, tier):
-        calls["bwd"].append(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, softmax_scale=softmax_scale,
-                                 window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-                                 deterministic=deterministic, tier=tier))
-        return tuple(g.contiguous() for g in (2 * dout, 3 * k, 4 * v))
-
-    def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
-        out, lse = varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
-                              window_size=(window_left, window_right), softcap=softcap, softmax_scale=softmax_scale)
-        out = out.to(q.dtype)
-        calls["varlen_fwd"].append(dict(q=q, k=k, v=v, out=out, lse=lse))
-        return out, lse
-
-    def varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                   max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
-        calls["varlen_bwd"].append(dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse,
-                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
-                                        seqused_k=seqused_k, max_seqlen=(max_seqlen_q, max_seqlen_k),
-                                        softmax_scale=softmax_scale, window=(window_left, window_right),
-                                        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                        tier=tier))
+    def backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                 max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+        calls["bwd" if cu_seqlens_q is None else "varlen_bwd"].append(
+            dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, cu_seqlens_q=cu_seqlens_q,
+                 cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                 max_seqlen=(max_seqlen_q, max_seqlen_k), softmax_scale=softmax_scale,
+                 window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+                 deterministic=deterministic, tier=tier))
         return tuple(g.contiguous() for g in (2 * dout, 3 * k, 4 * v))
 
     monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
-    with torch.library._scoped_library("flash_attention", "IMPL") as lib:
-        for name, impl in (("fwd", fwd), ("bwd", bwd), ("varlen_fwd", varlen_fwd), ("varlen_bwd", varlen_bwd)):
-            lib.impl(name, impl, "CPU")
-        yield calls
+    monkeypatch.setattr(_ops, "forward_impl", forward)
+    monkeypatch.setattr(_ops, "backward_impl", backward)
+    if request.param == "op":
+        monkeypatch.setattr(_ops, "_eager", lambda q, k, v: False)
+    calls["path"] = request.param
+    return calls
 
 
 def test_backward_runs_bwd_on_saved_state(standin_ops):
     q, k, v = leaves(*make_qkv())
     slopes = torch.rand(4)
-    out, lse = _ops.fwd(q, k, v, 0.3, 2, 0, 1.5, slopes, True, "sm80")
+    out, lse = _ops.attention(q, k, v, *BATCHED, 0.3, 2, 0, 1.5, slopes, True, "sm80")
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     (fwd_call,), (bwd_call,) = standin_ops["fwd"], standin_ops["bwd"]
@@ -661,7 +546,7 @@ def test_backward_runs_bwd_on_saved_state(standin_ops):
 @pytest.mark.parametrize("loss", ["out+lse", "lse"])
 def test_lse_gradient_reaches_bwd(standin_ops, loss):
     q, k, v = leaves(*make_qkv())
-    out, lse = _ops.fwd(q, k, v, 0.25, -1, -1, 0.0, None, False, None)
+    out, lse = _ops.attention(q, k, v, *BATCHED, 0.25, -1, -1, 0.0, None, False, None)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     if loss == "lse":
         torch.autograd.grad(lse, (q, k, v), dlse)
@@ -921,7 +806,7 @@ def test_varlen_compile_traces_one_graph(monkeypatch):
         compiled(*make_varlen(d=59), int32(*CU_Q), int32(*CU_K), int32(1, 0, 3), torch.rand(4))
     (gm,) = graphs
     targets = [str(node.target) for node in gm.graph.nodes]
-    assert targets.count("flash_attention.varlen_fwd.default") == 1
+    assert targets.count("flash_attention.fwd.default") == 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -929,65 +814,90 @@ def test_varlen_compile_traces_one_graph(monkeypatch):
 
 class FakeBinding:
     """Records the binding's calls and, like the kernels, writes only the rows of used sequence positions: out 1,
-    lse 0; dq, dk, dv 1."""
+    lse 0; dq, dk, dv 1. Its arguments are positional: the outputs, then the sequences, then the rest."""
 
     def __init__(self):
         self.calls = []
 
-    def fwd(self, q, k, v, out, lse, *args, **kwargs):
-        self.calls.append(("fwd", (q, k, v, out, lse) + args, kwargs))
-        for rows in self._rows(q, kwargs, "q"):
+    def fwd(self, q, k, v, out, lse, *args):
+        self.calls.append(("fwd", (q, k, v, out, lse) + args))
+        for rows in self._rows(q, args[0], args[2]):
             out[rows] = 1
             lse[..., rows] = 0
 
-    def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, *args, **kwargs):
-        self.calls.append(("bwd", (dout, q, k, v, out, lse, dlse, dq, dk, dv) + args, kwargs))
-        for rows in self._rows(q, kwargs, "q"):
+    def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, *args):
+        self.calls.append(("bwd", (dout, q, k, v, out, lse, dlse, dq, dk, dv) + args))
+        for rows in self._rows(q, args[0], args[2]):
             dq[rows] = 1
-        for rows in self._rows(k, kwargs, "k"):
+        for rows in self._rows(k, args[1], args[3]):
             dk[rows] = dv[rows] = 1
 
     @staticmethod
-    def _rows(x, kwargs, side):
-        if not kwargs:  # batched: every row
+    def _rows(x, cu_seqlens, seqused):
+        if cu_seqlens is None:  # batched: every row
             return [slice(None)]
-        return used_rows(kwargs[f"cu_seqlens_{side}"], kwargs[f"seqused_{side}"])
+        return used_rows(cu_seqlens, seqused)
 
 
-@pytest.fixture
-def fake_binding(monkeypatch):
+@pytest.fixture(params=["eager", "op"])
+def fake_binding(request, monkeypatch):
     binding = FakeBinding()
-    monkeypatch.setattr(_ops, "_extension", binding)
-    monkeypatch.setattr(_ops, "resolve_tier", lambda device, tier, head_dim, dtype, direction: "sm80")
+    monkeypatch.setattr(_dispatch, "_extension", binding)
+    monkeypatch.setattr(_dispatch, "resolve", lambda device, kind, head_dim, dtype, tier: (80, 64))
+    if request.param == "op":
+        monkeypatch.setattr(_ops, "_eager", lambda q, k, v: False)
+    binding.path = request.param
     return binding
 
 
-VARLEN_BINDING_KWARGS = {"cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k"}
-
-
 def test_varlen_binding_call(fake_binding):
-    """The binding gets the batched call's arguments, then the sequences as keyword arguments; lse is (h, total_q)."""
+    """The binding gets the outputs, the sequences, then the scores and options, all positional; lse is
+    (h, total_q)."""
     q, k, v = leaves(*make_varlen(d=40))
     cu_q, cu_k, used_k, slopes = int32(*CU_Q), int32(*CU_K), int32(2, 1, 3), torch.rand(3, 4)
-    out, lse = _ops.varlen_fwd(q, k, v, cu_q, cu_k, None, used_k, 3, 4, 0.3, 2, 0, 1.5, slopes, True, None)
+    out, lse = _ops.attention(q, k, v, cu_q, cu_k, None, used_k, 3, 4, 0.3, 2, 0, 1.5, slopes, True, None)
     (out * torch.randn_like(out)).sum().backward()
-    (_, fwd_args, fwd_kwargs), (_, bwd_args, bwd_kwargs) = fake_binding.calls
+    (_, fwd_args), (_, bwd_args) = fake_binding.calls
     assert fwd_args[3] is out and fwd_args[4] is lse and lse.shape == (4, 5)
-    assert fwd_args[5:] == (0.3, 2, 0, 1.5, slopes, 64, 80)  # ..., kernel head dim, tier id
-    assert bwd_args[10:] == (0.3, 2, 0, 1.5, slopes, True, 64, 80)
+    assert fwd_args[5:] == (cu_q, cu_k, None, used_k, 3, 4, 0.3, 2, 0, 1.5, slopes, 64, 80)  # ..., kernel dim, tier
     assert bwd_args[6] is None  # the loss does not use lse
-    for kwargs in (fwd_kwargs, bwd_kwargs):
-        assert set(kwargs) == VARLEN_BINDING_KWARGS
-        assert kwargs["cu_seqlens_q"] is cu_q and kwargs["cu_seqlens_k"] is cu_k
-        assert kwargs["seqused_q"] is None and kwargs["seqused_k"] is used_k
-        assert kwargs["max_seqlen_q"] == 3 and kwargs["max_seqlen_k"] == 4
+    assert bwd_args[10:] == (cu_q, cu_k, None, used_k, 3, 4, 0.3, 2, 0, 1.5, slopes, True, 64, 80)
 
 
-def test_batched_binding_call_has_no_varlen_arguments(fake_binding):
+def test_batched_binding_call_has_no_sequences(fake_binding):
     q, k, v = leaves(*make_qkv())
-    out, _ = _ops.fwd(q, k, v, 0.25, -1, -1, 0.0, None, False, None)
+    out, _ = _ops.attention(q, k, v, *BATCHED, 0.25, -1, -1, 0.0, None, False, None)
     out.sum().backward()
-    assert [(direction, kwargs) for direction, _, kwargs in fake_binding.calls] == [("fwd", {}), ("bwd", {})]
+    (_, fwd_args), (_, bwd_args) = fake_binding.calls
+    assert fwd_args[5:11] == BATCHED and bwd_args[10:16] == BATCHED
+
+
+def test_eager_call_skips_the_op(fake_binding, monkeypatch):
+    """An eager call runs the kernel through the autograd.Function, not the custom op, whose dispatch costs more than
+    the rest of the host path; a call that the op must see (traced, under a dispatch mode) takes the op."""
+    op_calls = []
+    monkeypatch.setattr(_ops, "fwd", lambda *args: op_calls.append(args) or _ops.forward_impl(*args))
+    q, k, v = leaves(*make_qkv())
+    out, _ = _ops.attention(q, k, v, *BATCHED, 0.25, -1, -1, 0.0, None, False, None)
+    eager = fake_binding.path == "eager"
+    assert len(op_calls) == (0 if eager else 1)
+    if eager:
+        assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+        with torch.no_grad():
+            assert _ops.attention(q, k, v, *BATCHED, 0.25, -1, -1, 0.0, None, False, None)[0].grad_fn is None
+
+
+def test_dispatch_mode_takes_the_op():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = make_qkv()
+    assert _ops._eager(q, k, v)
+    with Passthrough():
+        assert not _ops._eager(q, k, v)
 
 
 @pytest.mark.parametrize("seqused_q, seqused_k", [((1, 0, 2), None), (None, (2, 0, 1)), ((2, 0, 0), (0, 1, 3))],
@@ -997,7 +907,7 @@ def test_varlen_rows_past_seqused_are_filled(fake_binding, seqused_q, seqused_k)
     q, k, v = leaves(*make_varlen())
     cu_q, cu_k = int32(*CU_Q), int32(*CU_K)
     used_q, used_k = (None if s is None else int32(*s) for s in (seqused_q, seqused_k))
-    out, lse = _ops.varlen_fwd(q, k, v, cu_q, cu_k, used_q, used_k, 3, 3, 0.25, -1, -1, 0.0, None, False, None)
+    out, lse = _ops.attention(q, k, v, cu_q, cu_k, used_q, used_k, 3, 3, 0.25, -1, -1, 0.0, None, False, None)
     out.sum().backward()
     written_q, written_k = (written(used_rows(cu, used), n) for cu, used, n in ((cu_q, used_q, 5), (cu_k, used_k, 7)))
     assert (out[written_q] == 1).all() and (lse[:, written_q] == 0).all() and (q.grad[written_q] == 1).all()
@@ -1023,7 +933,7 @@ def written(rows, n):
 def test_varlen_backward_runs_bwd_on_saved_state(standin_ops):
     q, k, v = leaves(*make_varlen())
     cu_q, cu_k, used_q, slopes = int32(*CU_Q), int32(*CU_K), int32(1, 0, 3), torch.rand(4)
-    out, lse = _ops.varlen_fwd(q, k, v, cu_q, cu_k, used_q, None, 3, 4, 0.3, 2, 0, 1.5, slopes, True, "sm80")
+    out, lse = _ops.attention(q, k, v, cu_q, cu_k, used_q, None, 3, 4, 0.3, 2, 0, 1.5, slopes, True, "sm80")
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     (fwd_call,), (bwd_call,) = standin_ops["varlen_fwd"], standin_ops["varlen_bwd"]
@@ -1044,9 +954,9 @@ def test_varlen_no_gradient_for_sequence_tensors(standin_ops):
     q, k, v = leaves(*make_varlen())
     cu_q, cu_k, used_q, used_k = leaves(*(torch.tensor(x, dtype=torch.float32) for x in (CU_Q, CU_K, (2, 0, 3),
                                                                                          (3, 1, 3))))
-    out, _ = _ops.varlen_fwd(q, k, v, cu_q.int(), cu_k.int(), used_q.int(), used_k.int(), 3, 3, 0.25, -1, -1, 0.0,
+    out, _ = _ops.attention(q, k, v, cu_q.int(), cu_k.int(), used_q.int(), used_k.int(), 3, 3, 0.25, -1, -1, 0.0,
                              None, False, None)
-    out2, _ = _ops.varlen_fwd(q, k, v, cu_q, cu_k, used_q, used_k, 3, 3, 0.25, -1, -1, 0.0, None, False, None)
+    out2, _ = _ops.attention(q, k, v, cu_q, cu_k, used_q, used_k, 3, 3, 0.25, -1, -1, 0.0, None, False, None)
     grads = torch.autograd.grad(out2.sum(), (q, cu_q, cu_k, used_q, used_k), allow_unused=True)
     assert grads[0] is not None and grads[1:] == (None,) * 4
     assert torch.equal(out, out2)
@@ -1094,16 +1004,23 @@ def test_varlen_packed_grads_reach_inputs(standin_ops):
     assert torch.equal(q.grad, 2 * dout) and torch.equal(kv.grad, torch.stack((3 * k, 4 * v), dim=1))
 
 
-@pytest.mark.parametrize("op", ["varlen_fwd", "varlen_bwd"])
-def test_varlen_opcheck(standin_ops, op):
-    """torch.library.opcheck: schema, fake (static and dynamic shapes) and autograd registration of the varlen ops."""
-    q, k, v = make_varlen(d=8)
-    sequences = (int32(*CU_Q), int32(*CU_K), int32(1, 0, 3), None, 3, 3)
-    options = (0.25, -1, 0, 0.0, torch.rand(3, 4), False, None)
-    if op == "varlen_fwd":
+@pytest.mark.parametrize("layout", ["varlen", "batched"])
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_opcheck(standin_ops, op, layout):
+    """torch.library.opcheck: schema, fake (static and dynamic shapes) and autograd registration of the ops, with
+    and without the sequence tensors."""
+    if layout == "varlen":
+        q, k, v = make_varlen(d=8)
+        sequences = (int32(*CU_Q), int32(*CU_K), int32(1, 0, 3), None, 3, 3)
+        slopes = torch.rand(3, 4)
+    else:
+        q, k, v = make_qkv(d=8)
+        sequences, slopes = BATCHED, torch.rand(2, 4)
+    options = (0.25, -1, 0, 0.0, slopes, False, None)
+    if op == "fwd":
         args = (*leaves(q, k, v), *sequences, *options)
     else:
-        out, lse = _ops.varlen_fwd(q, k, v, *sequences, *options)
+        out, lse = _ops.attention(q, k, v, *sequences, *options)
         args = (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), *sequences, *options)
     torch.library.opcheck(getattr(torch.ops.flash_attention, op).default, args)
 
@@ -1135,8 +1052,8 @@ def test_varlen_compile_traces_backward(standin_ops):
         torch.manual_seed(0)
         q, k, v = leaves(*make_varlen(d=13, dtype=bf16))
         grads[mode] = torch.autograd.grad(f(q, k, v, *inputs), (q, k, v))
-    assert graphs["forward"].count("flash_attention.varlen_fwd.default") == 1
-    assert graphs["backward"].count("flash_attention.varlen_bwd.default") == 1
+    assert graphs["forward"].count("flash_attention.fwd.default") == 1
+    assert graphs["backward"].count("flash_attention.bwd.default") == 1
     assert [call["deterministic"] for call in standin_ops["varlen_bwd"]] == [True, True]
     for c, e in zip(grads["compiled"], grads["eager"]):
         assert torch.equal(c, e)
@@ -1381,7 +1298,7 @@ def test_cute_varlen_without_sequences_is_batched(stub_kernel):
     out, lse = cute.flash_attn_varlen_func(q, k, v, causal=True, return_lse=True)
     expected_out, expected_lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
-    assert all("cu_seqlens_q" not in call for call in stub_kernel)
+    assert all(call["cu_seqlens_q"] is None for call in stub_kernel)
 
 
 @pytest.mark.parametrize("layout", ["q-batched", "k-batched", "both-batched"])
@@ -1454,11 +1371,11 @@ def test_package_imports():
 def test_missing_extension(no_extension, monkeypatch):
     missing = r"CUDA extension flash_attention\._C is missing.*FLASH_ATTN_SKIP_CUDA_BUILD"
     with pytest.raises(RuntimeError, match=missing):
-        _ops.load_extension()
-    assert not _ops.extension_available()
+        _dispatch.load_extension()
+    assert not _dispatch.extension_available()
     q, k, v = make_qkv()
     with pytest.raises(RuntimeError, match=r"CUDA extension .* is missing"):
-        _ops.fwd(q, k, v, 0.25, -1, -1, 0.0, None, False, None)
+        _ops.attention(q, k, v, *BATCHED, 0.25, -1, -1, 0.0, None, False, None)
     monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
     with pytest.raises(RuntimeError, match=r"CUDA extension .* is missing"):
         flash_attn_func(q, k, v)

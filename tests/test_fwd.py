@@ -7,7 +7,7 @@ ones (masks x odd lengths x GQA) instead of taking the full Cartesian product.""
 import pytest
 import torch
 
-from flash_attention import _ops, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flash_attention import _catalog, _dispatch, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from helpers import (DTYPES, HEADS, LAYOUTS, SMEM_BUDGETS, Case, assert_matches_reference, bf16, build_cases,
                      case_kwargs, fp16, make_inputs, poison_allocator, require_kernel)
 
@@ -125,14 +125,14 @@ def test_torch_compile_fullgraph(d):
 def test_tier_override(monkeypatch):
     require_kernel(64, bf16)
     q, k, v = (torch.randn(1, 128, 2, 64, dtype=bf16, device="cuda") for _ in range(3))
-    default_tier = _ops.resolve_tier(q.device, None, 64, bf16, "fwd")
+    default_tier = _dispatch.resolve_tier(q.device, None, 64, bf16, "fwd")
     default = flash_attn_func(q, k, v)
     assert torch.equal(flash_attn_func(q, k, v, tier=default_tier), default)
     sm80 = flash_attn_func(q, k, v, tier="sm80")
     monkeypatch.setenv("FLASH_ATTN_TIER", "sm80")
     assert torch.equal(flash_attn_func(q, k, v), sm80)
-    built = {f"sm{tier}" for (tier, _, _, _) in _ops.available_kernels()}
-    for tier in _ops.TIER_IDS:
+    built = {_catalog.TIER_BY_ID[key[0]].name for key in _dispatch.available_kernels()}
+    for tier in _catalog.TIERS:
         if tier not in built:  # not built, or cannot run on this GPU: either way a clear RuntimeError
             monkeypatch.setenv("FLASH_ATTN_TIER", tier)
             with pytest.raises(RuntimeError, match=rf"tier {tier}"):

@@ -242,17 +242,16 @@ def kernel_calls(monkeypatch):
 @pytest.fixture
 def op_calls(monkeypatch):
     """Keep the package's Python path (argument checks, with FLASH_ATTN_CHECK_VARLEN=1 the sequence values too;
-    window normalisation; head-dim padding) and replace only the forward ops by the stand-ins (no backward); the
-    list records the ops called."""
+    window normalisation; head-dim padding) and replace only the kernels' forward by the stand-ins (no backward);
+    the list records the calls, batched (fwd) or varlen (varlen_fwd)."""
     calls = []
 
-    def fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
-        calls.append("fwd")
-        out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
-        return out.to(q.dtype), lse
-
-    def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+        if cu_seqlens_q is None:
+            calls.append("fwd")
+            out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
+            return out.to(q.dtype), lse
         calls.append("varlen_fwd")
         assert seqused_q is None and seqused_k is None and alibi_slopes is None
         return _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, False, (window_left, window_right), softcap,
@@ -260,8 +259,7 @@ def op_calls(monkeypatch):
 
     monkeypatch.setenv("FLASH_ATTN_CHECK_VARLEN", "1")
     monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
-    monkeypatch.setattr(_ops, "fwd", fwd)
-    monkeypatch.setattr(_ops, "varlen_fwd", varlen_fwd)
+    monkeypatch.setattr(_ops, "forward_impl", forward)
     return calls
 
 

@@ -1,8 +1,10 @@
-// PyTorch binding: turns validated tensors into FwdParams / BwdParams and calls the registered kernel. The Python layer
-// (flash_attention/_checks.py, _ops.py) gives the user-facing errors and picks the kernel head dim; the checks here
-// only guard the kernels' preconditions. Batched tensors are (b, s, heads, d); with cu_seqlens they are varlen,
-// packed (total, heads, d), with lse (h, total_q).
+// PyTorch binding: turns validated tensors into FwdParams / BwdParams, and runs the registered kernel of the key the
+// caller resolved (flash_attention/_dispatch.py), with the workspace its descriptor asks for. It holds no tier facts.
+// The Python layer (flash_attention/_checks.py) gives the user-facing errors; the checks here guard the kernels'
+// memory accesses, since the ops can be called directly. Batched tensors are (b, s, heads, d); with cu_seqlens they
+// are varlen, packed (total, heads, d), with lse (h, total_q).
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -82,19 +84,7 @@ int const* seq_tensor(std::optional<at::Tensor> const& t, char const* name, int6
     return t->data_ptr<int>();
 }
 
-template <class Params>
-flash::Launcher<Params> find_launcher(at::Tensor const& q, int64_t kernel_head_dim, int64_t tier) {
-    flash::DType const dt = q.scalar_type() == at::kHalf ? flash::DType::kFloat16 : flash::DType::kBFloat16;
-    TORCH_CHECK(q.size(-1) <= kernel_head_dim, "flash_attention: head dim ", q.size(-1), " exceeds kernel head dim ",
-                kernel_head_dim);
-    auto launcher = flash::KernelRegistry<Params>::find(int(tier), int(kernel_head_dim), dt);
-    TORCH_CHECK(launcher != nullptr, "flash_attention: no sm", tier, " ", flash::Direction<Params>::kName,
-                " kernel for head dim ", kernel_head_dim, " and ", dtype_name(dt),
-                " in this build (see FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS)");
-    return launcher;
-}
-
-// The fields both directions share: q, k, v, sequences, sizes, scales, window, ALiBi, the tile-choice hints.
+// The fields both directions share: q, k, v, sequences, sizes, scales, window, ALiBi.
 void set_attn_params(flash::AttnParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                      double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
                      std::optional<at::Tensor> const& alibi_slopes, SeqArgs const& seqs) {
@@ -110,7 +100,6 @@ void set_attn_params(flash::AttnParams& p, at::Tensor const& q, at::Tensor const
     int64_t const b = varlen ? seqs.cu_seqlens_q->size(0) - 1 : q.size(0);
     int64_t const sq = q.size(r), h = q.size(r + 1), d = q.size(r + 2);
     int64_t const sk = k.size(r), hk = k.size(r + 1);
-    TORCH_CHECK(d % 8 == 0 && d <= 256, "flash_attention: head dim must be a multiple of 8 and at most 256");
     TORCH_CHECK(k.sizes() == v.sizes() && k.size(r + 2) == d && (varlen || k.size(0) == b),
                 "flash_attention: k/v shape mismatch");
     TORCH_CHECK(hk > 0 && h % hk == 0, "flash_attention: h must be a multiple of hk");
@@ -131,10 +120,6 @@ void set_attn_params(flash::AttnParams& p, at::Tensor const& q, at::Tensor const
     p.b = int(b), p.h = int(h), p.hk = int(hk), p.sq = int(sq), p.sk = int(sk), p.d = int(d), p.h_per_hk = int(h / hk);
     p.lse_batch_stride = varlen ? 0 : h * sq;
     p.lse_head_stride = sq;
-    // A varlen call's max_seqlen only steers the tile choice, so a wrong one costs speed, never correctness.
-    auto hint = [](int64_t max_seqlen, int64_t rows) { return int(max_seqlen > 0 ? std::min(max_seqlen, rows) : rows); };
-    p.max_seqlen_q = varlen ? hint(seqs.max_seqlen_q, sq) : int(sq);
-    p.max_seqlen_k = varlen ? hint(seqs.max_seqlen_k, sk) : int(sk);
 
     p.softmax_scale = float(softmax_scale);
     p.has_softcap = softcap > 0.0;
@@ -155,21 +140,54 @@ void set_attn_params(flash::AttnParams& p, at::Tensor const& q, at::Tensor const
         p.alibi_slopes = a.data_ptr<float>();
         p.alibi_batch_stride = a.dim() == 2 ? h : 0;
     }
-    p.max_smem_per_block = smem_budget(int(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin));
 }
 
+// The device's facts (cached by ATen) and the call's longest sequences. A varlen call's max_seqlen only steers the tile
+// choice, so a wrong one costs speed, never correctness.
+flash::LaunchHints launch_hints(flash::AttnParams const& p, at::Tensor const& q, SeqArgs const& seqs) {
+    cudaDeviceProp const* props = at::cuda::getDeviceProperties(q.device().index());
+    auto hint = [](int64_t max_seqlen, int rows) {
+        return int(max_seqlen > 0 ? std::min<int64_t>(max_seqlen, rows) : rows);
+    };
+    return {q.device().index(),
+            smem_budget(int(props->sharedMemPerBlockOptin)),
+            props->multiProcessorCount,
+            props->l2CacheSize,
+            seqs.varlen() ? hint(seqs.max_seqlen_q, p.sq) : p.sq,
+            seqs.varlen() ? hint(seqs.max_seqlen_k, p.sk) : p.sk};
+}
+
+// Runs the kernel registered under (tier, kind, kernel head dim, q's dtype for in and out) on params, with the
+// workspace its descriptor asks for.
 template <class Params>
-void launch(flash::Launcher<Params> launcher, Params const& p) {
-    cudaError_t err = launcher(p, at::cuda::getCurrentCUDAStream().stream());
+void run(char const* kind, int64_t tier, int64_t kernel_head_dim, at::Tensor const& q, Params const& params,
+         flash::LaunchHints const& hints) {
+    flash::DType const dt = q.scalar_type() == at::kHalf ? flash::DType::kFloat16 : flash::DType::kBFloat16;
+    flash::KernelKey const key{int(tier), kind, int(kernel_head_dim), dt, dt};
+    auto const* kernel = flash::KernelRegistry<Params>::find(key);
+    TORCH_CHECK(kernel != nullptr, "flash_attention: no sm", tier, " ", kind, " kernel for head dim ", kernel_head_dim,
+                " and ", dtype_name(dt), " in this build (see FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS)");
+    char const* why = kernel->unsupported(params, hints);
+    TORCH_CHECK(why == nullptr, "flash_attention: the sm", tier, " ", kind, " kernel for head dim ", kernel_head_dim,
+                " cannot run this call: ", why);
+    cudaStream_t const stream = at::cuda::getCurrentCUDAStream().stream();
+    flash::Workspace const ws = kernel->workspace(params, hints);
+    at::Tensor workspace;
+    if (ws.bytes > 0) {
+        workspace = at::empty({int64_t(ws.bytes)}, q.options().dtype(at::kByte));
+        if (ws.zeroed_bytes > 0) {
+            C10_CUDA_CHECK(cudaMemsetAsync(workspace.data_ptr(), 0, ws.zeroed_bytes, stream));
+        }
+    }
+    cudaError_t const err = kernel->launch(params, hints, ws.bytes > 0 ? workspace.data_ptr() : nullptr, stream);
     TORCH_CHECK(err == cudaSuccess, "flash_attention: kernel launch failed: ", cudaGetErrorString(err));
 }
 
 void fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor& out, at::Tensor& lse,
-         double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
-         std::optional<at::Tensor> const& alibi_slopes, int64_t kernel_head_dim, int64_t tier,
          std::optional<at::Tensor> const& cu_seqlens_q, std::optional<at::Tensor> const& cu_seqlens_k,
          std::optional<at::Tensor> const& seqused_q, std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
-         int64_t max_seqlen_k) {
+         int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
+         std::optional<at::Tensor> const& alibi_slopes, int64_t kernel_head_dim, int64_t tier) {
     c10::cuda::CUDAGuard guard(q.device());
     SeqArgs const seqs{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k};
     flash::FwdParams p{};
@@ -181,22 +199,21 @@ void fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tens
     p.lse = lse.data_ptr<float>();
     Strides const os = strides_of(out, seqs.varlen());
     p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
-    launch(find_launcher<flash::FwdParams>(q, kernel_head_dim, tier), p);
+    run("fwd", tier, kernel_head_dim, q, p, launch_hints(p, q, seqs));
 }
 
 void bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
          at::Tensor const& out, at::Tensor const& lse, std::optional<at::Tensor> const& dlse, at::Tensor& dq,
-         at::Tensor& dk, at::Tensor& dv, double softmax_scale, int64_t window_left, int64_t window_right,
-         double softcap, std::optional<at::Tensor> const& alibi_slopes, bool deterministic, int64_t kernel_head_dim,
-         int64_t tier, std::optional<at::Tensor> const& cu_seqlens_q, std::optional<at::Tensor> const& cu_seqlens_k,
-         std::optional<at::Tensor> const& seqused_q, std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
-         int64_t max_seqlen_k) {
+         at::Tensor& dk, at::Tensor& dv, std::optional<at::Tensor> const& cu_seqlens_q,
+         std::optional<at::Tensor> const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_q,
+         std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+         int64_t window_left, int64_t window_right, double softcap, std::optional<at::Tensor> const& alibi_slopes,
+         bool deterministic, int64_t kernel_head_dim, int64_t tier) {
     c10::cuda::CUDAGuard guard(q.device());
     SeqArgs const seqs{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k};
     bool const varlen = seqs.varlen();
     flash::BwdParams p{};
     set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, seqs);
-    auto launcher = find_launcher<flash::BwdParams>(q, kernel_head_dim, tier);
     for (auto const& [t, name] : {std::pair{&out, "out"}, {&dout, "dout"}, {&dq, "dq"}}) {
         check_operand(*t, name, q, seqs.rank());
         TORCH_CHECK(t->sizes() == q.sizes(), "flash_attention: ", name, " must have q's shape");
@@ -225,52 +242,30 @@ void bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::T
     p.dk_batch_stride = dks.batch, p.dk_row_stride = dks.row, p.dk_head_stride = dks.head;
     p.dv_batch_stride = dvs.batch, p.dv_row_stride = dvs.row, p.dv_head_stride = dvs.head;
 
-    // Workspace beside flash-attn's own: the fp32 dQ accumulator (rows x kernel head dim), D (like lse) and, when
-    // deterministic, one int per 16 accumulator rows. Batched: sq rounded up to 128 rows per (b, h). Varlen: per head,
-    // total_q plus 128 rows per sequence (see dq_accum_row), rounded up to 128.
-    constexpr int64_t kAlign = flash::kBwdRowAlign;
-    auto round_up = [&](int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; };
-    int64_t const rows_per_head = varlen ? round_up(int64_t(p.sq) + kAlign * (p.b + 1)) : round_up(p.sq);
-    int64_t const rows = int64_t(varlen ? 1 : p.b) * p.h * rows_per_head;
-    p.dq_accum_head_stride = rows_per_head;
-    p.dq_accum_batch_stride = varlen ? 0 : p.h * rows_per_head;
-    auto const f32 = q.options().dtype(at::kFloat);
-    at::Tensor dq_accum = at::zeros({rows * kernel_head_dim}, f32);
-    at::Tensor dpsum = at::empty(lse.sizes(), f32);
-    at::Tensor semaphore;
-    p.dq_accum = dq_accum.data_ptr<float>();
-    p.dpsum = dpsum.data_ptr<float>();
-    p.dq_semaphore = nullptr;
     p.deterministic = deterministic;
-    if (deterministic) {
-        semaphore = at::zeros({rows / 16}, q.options().dtype(at::kInt));
-        p.dq_semaphore = semaphore.data_ptr<int>();
-    }
-    launch(launcher, p);
+    run("bwd", tier, kernel_head_dim, q, p, launch_hints(p, q, seqs));
 }
 
-std::vector<std::tuple<int64_t, std::string, int64_t, std::string>> available_kernels() {
-    std::vector<std::tuple<int64_t, std::string, int64_t, std::string>> out;
-    for (auto const& e : flash::registered_kernels()) {
-        out.emplace_back(e.tier, e.direction, e.head_dim, dtype_name(e.dtype));
+std::vector<std::tuple<int64_t, std::string, int64_t, std::string, std::string>> available_kernels() {
+    std::vector<std::tuple<int64_t, std::string, int64_t, std::string, std::string>> out;
+    for (auto const& key : flash::registered_kernels()) {
+        out.emplace_back(key.tier, key.kind, key.head_dim, dtype_name(key.in), dtype_name(key.out));
     }
     return out;
 }
 
 }  // namespace
 
+// Positional arguments only: pybind's keyword matching costs more per call than the rest of the binding.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flash-attention-cute kernels";
-    m.def("fwd", &fwd, "Attention forward into preallocated out and lse", py::arg("q"), py::arg("k"), py::arg("v"),
-          py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("window_left"), py::arg("window_right"),
-          py::arg("softcap"), py::arg("alibi_slopes"), py::arg("kernel_head_dim"), py::arg("tier"),
-          py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(),
-          py::arg("seqused_k") = py::none(), py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0);
-    m.def("bwd", &bwd, "Attention backward into preallocated dq, dk, dv", py::arg("dout"), py::arg("q"), py::arg("k"),
-          py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
-          py::arg("softmax_scale"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
-          py::arg("alibi_slopes"), py::arg("deterministic"), py::arg("kernel_head_dim"), py::arg("tier"),
-          py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(), py::arg("seqused_q") = py::none(),
-          py::arg("seqused_k") = py::none(), py::arg("max_seqlen_q") = 0, py::arg("max_seqlen_k") = 0);
-    m.def("available_kernels", &available_kernels, "(tier, direction, head_dim, dtype) of every compiled kernel");
+    m.def("fwd", &fwd,
+          "Attention forward into preallocated out and lse: q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, "
+          "seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, "
+          "kernel_head_dim, tier");
+    m.def("bwd", &bwd,
+          "Attention backward into preallocated dq, dk, dv: dout, q, k, v, out, lse, dlse, dq, dk, dv, then fwd's "
+          "arguments from cu_seqlens_q to alibi_slopes, deterministic, kernel_head_dim, tier");
+    m.def("available_kernels", &available_kernels,
+          "(tier, kind, kernel head dim, dtype in, dtype out) of every compiled kernel");
 }

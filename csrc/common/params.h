@@ -44,10 +44,7 @@ struct AttnParams {
     // -1 means unbounded. Query i sees key j iff i + sk - sq - left <= j <= i + sk - sq + right.
     int window_left, window_right;
 
-    // Host-side hints for choosing a tile: the device's opt-in shared memory per block, and the longest sequences
-    // (max_seqlen of a varlen call, sq / sk when batched). Kernels do not read them.
-    int max_smem_per_block;
-    int max_seqlen_q, max_seqlen_k;
+    // Host-only facts (shared memory, SM count, the longest sequences) travel beside the params, in LaunchHints.
 };
 
 struct FwdParams : AttnParams {

@@ -19,7 +19,7 @@
 #include "../common/score_mod.h"
 #include "../common/seqlen.h"
 #include "epilogue.h"
-#include "mainloop.h"
+#include "gemm.h"
 
 namespace flash::sm80 {
 

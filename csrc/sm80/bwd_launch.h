@@ -1,25 +1,60 @@
-// SM80-tier backward launch: the tile table per head dim (by shared memory) and the three kernels in order:
-// D = rowsum(dO * O) - dlse, the main kernel (dK, dV, and dQ into the fp32 workspace), the dQ conversion.
-// The caller zeroes the dQ workspace (and the semaphores when deterministic).
+// SM80-tier backward launch: the tile table per head dim (by shared memory), the workspace, and the three kernels in
+// order: D = rowsum(dO * O) - dlse, the main kernel (dK, dV, and dQ into the fp32 workspace), the dQ conversion.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/block_scheduler.h"
+#include "../common/kernel_registry.h"
+#include "../common/kernels/bwd_preprocess.h"
 #include "../common/params.h"
 #include "bwd_convert_dq.h"
 #include "bwd_kernel.h"
-#include "bwd_preprocess.h"
 #include "launch_util.h"
 #include "tile_traits.h"
 
 namespace flash::sm80 {
 
+// The workspace, one allocation: the fp32 dQ accumulator (rows x kernel head dim, zeroed), when deterministic one int
+// per 16 accumulator rows (zeroed), then D (like lse). Accumulator rows: batched, sq rounded up to kBwdRowAlign per
+// (b, h); varlen, per head, total_q plus kBwdRowAlign rows per sequence (see dq_accum_row), rounded up likewise.
+struct BwdWorkspace {
+    int64_t rows_per_head;
+    size_t accum_bytes, semaphore_bytes, dpsum_bytes;
+
+    static constexpr size_t kAlign = 256;
+    static size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+    BwdWorkspace(BwdParams const& p, int kernel_head_dim) {
+        bool const varlen = p.cu_seqlens_q != nullptr;
+        auto round_up = [](int64_t x) { return (x + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign; };
+        rows_per_head = varlen ? round_up(int64_t(p.sq) + int64_t(kBwdRowAlign) * (p.b + 1)) : round_up(p.sq);
+        int64_t const rows = int64_t(varlen ? 1 : p.b) * p.h * rows_per_head;
+        accum_bytes = aligned(size_t(rows) * kernel_head_dim * sizeof(float));
+        semaphore_bytes = p.deterministic ? aligned(size_t(rows / 16) * sizeof(int)) : 0;
+        dpsum_bytes = aligned(size_t(tensor_batches(p)) * p.h * p.sq * sizeof(float));
+    }
+
+    Workspace sizes() const { return {accum_bytes + semaphore_bytes, accum_bytes + semaphore_bytes + dpsum_bytes}; }
+
+    // params with the workspace's pointers and strides filled in.
+    BwdParams bind(BwdParams params, void* workspace) const {
+        char* base = static_cast<char*>(workspace);
+        params.dq_accum = reinterpret_cast<float*>(base);
+        params.dq_semaphore = params.deterministic ? reinterpret_cast<int*>(base + accum_bytes) : nullptr;
+        params.dpsum = reinterpret_cast<float*>(base + accum_bytes + semaphore_bytes);
+        params.dq_accum_head_stride = rows_per_head;
+        params.dq_accum_batch_stride = params.cu_seqlens_q != nullptr ? 0 : params.h * rows_per_head;
+        return params;
+    }
+};
+
 template <class Traits>
-cudaError_t launch_bwd(BwdParams const& params, cudaStream_t stream) {
+cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
     using Element = typename Traits::Element;
     bool const varlen = params.cu_seqlens_q != nullptr;
     int64_t const rows = int64_t(tensor_batches(params)) * params.sq * params.h;
@@ -33,15 +68,18 @@ cudaError_t launch_bwd(BwdParams const& params, cudaStream_t stream) {
     bwd_preprocess_kernel<Element><<<unsigned(pre_blocks), kPreprocessWarps * 32, 0, stream>>>(params);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
 
-    auto main_kernel = &bwd_kernel<Traits>;
-    if (cudaError_t err = allow_smem(main_kernel, Traits::kSmemBytes); err != cudaSuccess) { return err; }
-    main_kernel<<<unsigned(main_blocks), Traits::kNThreads, Traits::kSmemBytes, stream>>>(params);
+    if (cudaError_t err = allow_smem<&bwd_kernel<Traits>>(Traits::kSmemBytes, hints.device); err != cudaSuccess) {
+        return err;
+    }
+    bwd_kernel<Traits><<<unsigned(main_blocks), Traits::kNThreads, Traits::kSmemBytes, stream>>>(params);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
 
-    auto convert_kernel = &bwd_convert_dq_kernel<Traits>;
     constexpr int kConvertSmem = Traits::kSmemdOElems * int(sizeof(Element));
-    if (cudaError_t err = allow_smem(convert_kernel, kConvertSmem); err != cudaSuccess) { return err; }
-    convert_kernel<<<unsigned(convert_blocks), Traits::kNThreads, kConvertSmem, stream>>>(params);
+    if (cudaError_t err = allow_smem<&bwd_convert_dq_kernel<Traits>>(kConvertSmem, hints.device);
+        err != cudaSuccess) {
+        return err;
+    }
+    bwd_convert_dq_kernel<Traits><<<unsigned(convert_blocks), Traits::kNThreads, kConvertSmem, stream>>>(params);
     return cudaGetLastError();
 }
 
@@ -51,35 +89,47 @@ cudaError_t launch_bwd(BwdParams const& params, cudaStream_t stream) {
 // the first one up to d 192. Measured on an H100 (benchmark/RESULTS.md): for d 64 the 128 x 128 tile beats the
 // spill-free 64 x 128 one by 15% despite its spills, for d 128 the 64 x 128 tile beats 128 x 64 and 64 x 64.
 template <int kHeadDim, typename Element>
-cudaError_t run_bwd(BwdParams const& params, cudaStream_t stream) {
-    auto launch = [&](auto traits) { return launch_bwd<decltype(traits)>(params, stream); };
+cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
+    BwdParams const bound = BwdWorkspace(params, kHeadDim).bind(params, workspace);
+    auto launch = [&](auto traits) { return launch_bwd<decltype(traits)>(bound, hints, stream); };
     if constexpr (kHeadDim == 32) {
         // 106 KB, 97 KB
         return launch_first_fitting<BwdTraits<32, 128, 128, 8, 4, 4, 4, 2, Element>,
-                                    BwdTraits<32, 128, 128, 8, 4, 4, 4, 1, Element>>(params, launch);
+                                    BwdTraits<32, 128, 128, 8, 4, 4, 4, 1, Element>>(hints, launch);
     } else if constexpr (kHeadDim == 64) {
         // 146 KB, 81 KB
         return launch_first_fitting<BwdTraits<64, 128, 128, 8, 4, 4, 4, 2, Element>,
-                                    BwdTraits<64, 64, 128, 8, 2, 4, 4, 1, Element>>(params, launch);
+                                    BwdTraits<64, 64, 128, 8, 2, 4, 4, 1, Element>>(hints, launch);
     } else if constexpr (kHeadDim == 96) {
         // 117 KB, 77 KB
         return launch_first_fitting<BwdTraits<96, 64, 128, 8, 2, 4, 4, 2, Element>,
-                                    BwdTraits<96, 64, 64, 8, 2, 4, 4, 2, Element>>(params, launch);
+                                    BwdTraits<96, 64, 64, 8, 2, 4, 4, 2, Element>>(hints, launch);
     } else if constexpr (kHeadDim == 128) {
         // 145 KB, 97 KB
         return launch_first_fitting<BwdTraits<128, 64, 128, 8, 2, 4, 2, 2, Element>,
-                                    BwdTraits<128, 64, 64, 8, 4, 2, 2, 2, Element>>(params, launch);
+                                    BwdTraits<128, 64, 64, 8, 4, 2, 2, 2, Element>>(hints, launch);
     } else if constexpr (kHeadDim == 192) {
         // 137 KB, 81 KB
         return launch_first_fitting<BwdTraits<192, 64, 64, 8, 4, 2, 2, 2, Element>,
-                                    BwdTraits<192, 64, 32, 8, 4, 2, 2, 1, Element>>(params, launch);
+                                    BwdTraits<192, 64, 32, 8, 4, 2, 2, 1, Element>>(hints, launch);
     } else {
         static_assert(kHeadDim == 256, "no backward tile for this head dim");
         // 177 KB, 145 KB, 85 KB
         return launch_first_fitting<BwdTraits<256, 64, 64, 8, 4, 2, 2, 2, Element>,
                                     BwdTraits<256, 64, 64, 8, 4, 2, 2, 1, Element>,
-                                    BwdTraits<256, 32, 32, 4, 2, 2, 2, 2, Element>>(params, launch);
+                                    BwdTraits<256, 32, 32, 4, 2, 2, 2, 2, Element>>(hints, launch);
     }
+}
+
+template <int kHeadDim>
+Workspace bwd_workspace(BwdParams const& params, LaunchHints const&) {
+    return BwdWorkspace(params, kHeadDim).sizes();
+}
+
+template <int kHeadDim, typename Element, typename ElementOut>
+KernelDescriptor<BwdParams> bwd_descriptor() {
+    static_assert(std::is_same_v<Element, ElementOut>, "the SM80 backward writes gradients in the input dtype");
+    return {&unsupported_head_dim<kHeadDim, BwdParams>, &bwd_workspace<kHeadDim>, &run_bwd<kHeadDim, Element>};
 }
 
 }  // namespace flash::sm80

@@ -8,7 +8,7 @@
 #include "../common/epilogue.h"
 #include "../common/params.h"
 #include "../common/seqlen.h"
-#include "mainloop.h"
+#include "gemm.h"
 
 namespace flash::sm80 {
 

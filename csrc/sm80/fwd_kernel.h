@@ -23,7 +23,7 @@
 #include "../common/seqlen.h"
 #include "../common/softmax.h"
 #include "epilogue.h"
-#include "mainloop.h"
+#include "gemm.h"
 
 namespace flash::sm80 {
 
@@ -37,7 +37,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kStages = Traits::kStages;
     constexpr int kPrefetch = kStages - 1;
-    constexpr bool kSplitKV = kStages == 1;
+    // One K and one V buffer, loads alternating with the two GEMMs (not split-KV, which splits the keys across CTAs).
+    constexpr bool kAlternatingKV = kStages == 1;
 
     extern __shared__ __align__(128) char smem[];
     int const tid = threadIdx.x;
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
                 Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
                 clear(acc_s);
-                if constexpr (kSplitKV) {
+                if constexpr (kAlternatingKV) {
                     // K(i) landed, and every warp is done with V(i - 1): its buffer takes V(i). Block 0's V came
                     // with the prologue, so the loop never loads a partial block.
                     cp_async_wait<0>();
@@ -169,7 +170,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                     load_kv(i + kPrefetch, cute::false_type{});
                 }
                 gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK.stage(stage), smem_copy_q, smem_copy_k, tid);
-                if constexpr (kSplitKV) {
+                if constexpr (kAlternatingKV) {
                     // V(i) landed, and every warp is done with K(i): its buffer takes K(i + 1).
                     cp_async_wait<0>();
                     __syncthreads();

@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/block_range.h"
 #include "../common/block_scheduler.h"
+#include "../common/kernel_registry.h"
 #include "../common/params.h"
 #include "fwd_kernel.h"
 #include "launch_util.h"
@@ -18,23 +20,22 @@
 namespace flash::sm80 {
 
 template <class Traits>
-cudaError_t launch_fwd(FwdParams const& params, cudaStream_t stream) {
-    auto kernel = &fwd_kernel<Traits>;
+cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
     constexpr int kSmem = Traits::kSmemBytes;
-    if (cudaError_t err = allow_smem(kernel, kSmem); err != cudaSuccess) { return err; }
+    if (cudaError_t err = allow_smem<&fwd_kernel<Traits>>(kSmem, hints.device); err != cudaSuccess) { return err; }
     int64_t const num_blocks =
         tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) * params.h;
     if (num_blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
-    kernel<<<dim3(unsigned(num_blocks)), Traits::kNThreads, kSmem, stream>>>(params);
+    fwd_kernel<Traits><<<dim3(unsigned(num_blocks)), Traits::kNThreads, kSmem, stream>>>(params);
     return cudaGetLastError();
 }
 
 // Keys that the query tile of block_m rows in the middle of the longest sequence visits: the mean over the tiles
 // under any causal or local window (the visible range moves linearly along the diagonal), with no loop over tiles.
-inline int keys_of_middle_tile(FwdParams const& params, int block_m) {
-    AttnWindow const window{params.max_seqlen_q, params.max_seqlen_k, params.window_left, params.window_right};
-    int const r0 = std::max(0, params.max_seqlen_q / 2 - block_m / 2);
-    Interval const keys = window.keys_of_rows(r0, std::min(params.max_seqlen_q, r0 + block_m) - 1);
+inline int keys_of_middle_tile(FwdParams const& params, LaunchHints const& hints, int block_m) {
+    AttnWindow const window{hints.max_seqlen_q, hints.max_seqlen_k, params.window_left, params.window_right};
+    int const r0 = std::max(0, hints.max_seqlen_q / 2 - block_m / 2);
+    Interval const keys = window.keys_of_rows(r0, std::min(hints.max_seqlen_q, r0 + block_m) - 1);
     return keys.hi - keys.lo;
 }
 
@@ -42,38 +43,44 @@ inline int keys_of_middle_tile(FwdParams const& params, int block_m) {
 // up to 2k keys), else the first of Larger..., Small that fits. With two CTAs per SM, one CTA's prologue and
 // epilogue overlap the other's key loop; on long tiles the larger tile's fewer K/V reads per query win instead.
 template <class Small, class... Larger>
-cudaError_t launch_by_tile_length(FwdParams const& params, cudaStream_t stream) {
-    if (ctas_per_sm<Small>(params) >= 2 && keys_of_middle_tile(params, 128) <= 2048) {
-        return launch_fwd<Small>(params, stream);
+cudaError_t launch_by_tile_length(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
+    if (ctas_per_sm<Small>(hints) >= 2 && keys_of_middle_tile(params, hints, 128) <= 2048) {
+        return launch_fwd<Small>(params, hints, stream);
     }
-    return launch_first_fitting<Larger..., Small>(params, [&](auto traits) {
-        return launch_fwd<decltype(traits)>(params, stream);
+    return launch_first_fitting<Larger..., Small>(hints, [&](auto traits) {
+        return launch_fwd<decltype(traits)>(params, hints, stream);
     });
 }
 
-// Tile shapes (kBlockM, kBlockN, warps, K/V stages; 1 stage = the split K/V schedule), measured on an H200
+// Tile shapes (kBlockM, kBlockN, warps, K/V stages; 1 stage = one K and one V buffer, loads alternating with the GEMMs), measured on an H200
 // (benchmark/RESULTS.md): 32 query rows per warp halve the shared-memory reads per MMA, and narrow key blocks with
 // three stages beat wider ones with two, which spill. Up to d = 192 the largest tile fits the 99 KB of sm86/89/120.
 template <int kHeadDim, typename Element>
-cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
+cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     if constexpr (kHeadDim == 32) {
-        return launch_fwd<FwdTraits<32, 128, 64, 4, 3, Element>>(params, stream);
+        return launch_fwd<FwdTraits<32, 128, 64, 4, 3, Element>>(params, hints, stream);
     } else if constexpr (kHeadDim == 64) {
-        return launch_fwd<FwdTraits<64, 128, 64, 4, 3, Element>>(params, stream);
+        return launch_fwd<FwdTraits<64, 128, 64, 4, 3, Element>>(params, hints, stream);
     } else if constexpr (kHeadDim == 96) {
-        return launch_fwd<FwdTraits<96, 128, 32, 4, 3, Element>>(params, stream);
+        return launch_fwd<FwdTraits<96, 128, 32, 4, 3, Element>>(params, hints, stream);
     } else if constexpr (kHeadDim == 128) {
-        return launch_fwd<FwdTraits<128, 128, 32, 4, 3, Element>>(params, stream);
+        return launch_fwd<FwdTraits<128, 128, 32, 4, 3, Element>>(params, hints, stream);
     } else if constexpr (kHeadDim == 192) {
         // 96 KB and 72 KB.
         return launch_by_tile_length<FwdTraits<192, 64, 64, 4, 1, Element>, FwdTraits<192, 128, 64, 8, 1, Element>>(
-            params, stream);
+            params, hints, stream);
     } else {
         static_assert(kHeadDim == 256, "no forward tile for this head dim");
         // 192 KB (H100/H200), 128 KB (A100), 96 KB (sm86/89/120, and the short tiles of the H100/H200).
         return launch_by_tile_length<FwdTraits<256, 64, 64, 4, 1, Element>, FwdTraits<256, 128, 64, 8, 2, Element>,
-                                     FwdTraits<256, 128, 64, 8, 1, Element>>(params, stream);
+                                     FwdTraits<256, 128, 64, 8, 1, Element>>(params, hints, stream);
     }
+}
+
+template <int kHeadDim, typename Element, typename ElementOut>
+KernelDescriptor<FwdParams> fwd_descriptor() {
+    static_assert(std::is_same_v<Element, ElementOut>, "the SM80 forward writes out in the input dtype");
+    return {&unsupported_head_dim<kHeadDim, FwdParams>, &no_workspace<FwdParams>, &run_fwd<kHeadDim, Element>};
 }
 
 }  // namespace flash::sm80

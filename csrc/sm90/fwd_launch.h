@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/block_scheduler.h"
+#include "../common/kernel_registry.h"
 #include "../common/params.h"
 #include "fwd_kernel.h"
 #include "tile_traits.h"
@@ -15,7 +17,7 @@
 namespace flash::sm90 {
 
 template <class Traits>
-cudaError_t launch_fwd(FwdParams const& params, cudaStream_t stream) {
+cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
     using Element = typename Traits::Element;
     int const entries = tensor_batches(params);
     auto gmem = [&](void const* ptr, int rows, int heads, int64_t row_stride, int64_t head_stride,
@@ -50,42 +52,28 @@ cudaError_t launch_fwd(FwdParams const& params, cudaStream_t stream) {
         int(num_tiles),
         1};
 
-    auto kernel = &fwd_kernel<Traits>;
     constexpr int kSmem = Traits::kSmemBytes;
-    if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-        err != cudaSuccess) {
-        return err;
-    }
+    if (cudaError_t err = allow_smem<&fwd_kernel<Traits>>(kSmem, hints.device); err != cudaSuccess) { return err; }
     // Unmasked tiles all cost the same: a persistent grid of one CTA per SM (the shared memory allows no second)
     // overlaps each tile's epilogue and its successor's first loads. Causal and local tiles differ in length: one
     // CTA per tile lets the hardware hand the next tile to whichever SM frees first, which balances better than a
     // static assignment (H100, d 128, causal: 430 vs 410 TFLOPS at 2k).
     // Their tiles go longest first across L2-sized sections of (batch, head) pairs, so that the last tiles to start
     // are the shortest (FlashAttention-3's and -4's order).
-    int device = 0;
-    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) { return err; }
     int grid = int(num_tiles);
     if (params.window_left < 0 && params.window_right < 0) {
-        int sms = 0;
-        if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-            err != cudaSuccess) {
-            return err;
-        }
-        grid = std::min(grid, sms);
+        grid = std::min(grid, hints.num_sms);
     } else if (params.cu_seqlens_q == nullptr) {
-        int l2_bytes = 0;
-        if (cudaError_t err = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device); err != cudaSuccess) {
-            return err;
-        }
         // K and V of one kv head, shared by params.h_per_hk consecutive query heads.
         int64_t const kv_bytes = 2 * int64_t(params.sk) * params.d * int64_t(sizeof(Element));
-        int64_t const pairs = std::max<int64_t>(1, int64_t(l2_bytes) * params.h_per_hk / std::max<int64_t>(kv_bytes, 1));
+        int64_t const pairs =
+            std::max<int64_t>(1, int64_t(hints.l2_bytes) * params.h_per_hk / std::max<int64_t>(kv_bytes, 1));
         int section = 1;
         while (2 * int64_t(section) <= std::min<int64_t>(pairs, int64_t(params.b) * params.h)) { section *= 2; }
         args.section = section;
     }
     if (grid == 0) { return cudaSuccess; }
-    kernel<<<dim3(unsigned(grid)), Traits::kNThreads, kSmem, stream>>>(args);
+    fwd_kernel<Traits><<<dim3(unsigned(grid)), Traits::kNThreads, kSmem, stream>>>(args);
     return cudaGetLastError();
 }
 
@@ -94,15 +82,21 @@ cudaError_t launch_fwd(FwdParams const& params, cudaStream_t stream) {
 // FlashAttention-3 uses for unmasked tiles, measured 3-8% slower here at 2k, equal at 8k, and spills). d 256: two,
 // the widest key block whose two K and V stages fit beside Q (224 KB).
 template <int kHeadDim, typename Element>
-cudaError_t run_fwd(FwdParams const& params, cudaStream_t stream) {
+cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     if constexpr (kHeadDim == 256) {
-        return launch_fwd<FwdTraits<256, 128, 80, 2, Element>>(params, stream);
+        return launch_fwd<FwdTraits<256, 128, 80, 2, Element>>(params, hints, stream);
     } else if constexpr (kHeadDim == 128) {
-        return launch_fwd<FwdTraits<128, 128, 128, 2, Element>>(params, stream);
+        return launch_fwd<FwdTraits<128, 128, 128, 2, Element>>(params, hints, stream);
     } else {
         static_assert(kHeadDim == 64, "no SM90 forward tile for this head dim");
-        return launch_fwd<FwdTraits<64, 192, 128, 2, Element>>(params, stream);
+        return launch_fwd<FwdTraits<64, 192, 128, 2, Element>>(params, hints, stream);
     }
+}
+
+template <int kHeadDim, typename Element, typename ElementOut>
+KernelDescriptor<FwdParams> fwd_descriptor() {
+    static_assert(std::is_same_v<Element, ElementOut>, "the SM90 forward writes out in the input dtype");
+    return {&unsupported_head_dim<kHeadDim, FwdParams>, &no_workspace<FwdParams>, &run_fwd<kHeadDim, Element>};
 }
 
 }  // namespace flash::sm90

@@ -1,4 +1,4 @@
-// SM80-tier mainloop pieces: predicated cp.async tile loads, ldmatrix operands addressed by XOR, the two GEMMs
+// SM80-tier GEMM and copy primitives that the kernels compose: predicated cp.async tile loads, ldmatrix operands
 // (S = Q K^T from shared memory, O += P V with P in registers) with ldmatrix software-pipelined one k-slice ahead, and
 // P's registers as an A operand.
 #pragma once

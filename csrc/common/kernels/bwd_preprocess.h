@@ -1,4 +1,4 @@
-// Backward preprocess: D = rowsum(dO * O) - dlse per (batch entry, head, query row), in fp32. One warp per row,
+// Backward preprocess, for every tier: D = rowsum(dO * O) - dlse per (batch entry, head, query row), in fp32. One warp per row,
 // 16-byte loads (a head dim of up to 256 is one load per lane). It walks the tensors' rows, which need no sequence
 // lookup: a varlen call is one batch entry of total rows (D of rows outside every sequence is never read).
 #pragma once
@@ -6,10 +6,10 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
-#include "../common/params.h"
-#include "../common/seqlen.h"
+#include "../params.h"
+#include "../seqlen.h"
 
-namespace flash::sm80 {
+namespace flash {
 
 constexpr int kPreprocessWarps = 8;
 
@@ -45,4 +45,4 @@ __global__ void __launch_bounds__(kPreprocessWarps * 32)
     }
 }
 
-}  // namespace flash::sm80
+}  // namespace flash
