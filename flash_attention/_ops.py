@@ -8,6 +8,8 @@ machinery around a Python op (its overhead is several times the rest of the host
 runs the same implementation through a plain autograd.Function when nothing traces or intercepts the call.
 """
 
+import functools
+import operator
 from typing import Optional, Tuple
 
 import torch
@@ -19,7 +21,8 @@ def kernel_operand(t: torch.Tensor) -> torch.Tensor:
     elements and the base pointer 16-byte aligned. Otherwise copy (autograd hands the gradient of out.sum() over as a
     broadcast view with stride 0 everywhere); clone rather than .contiguous(), which keeps a misaligned view that
     torch already considers contiguous."""
-    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(stride % 8 for stride in t.stride()[:-1]):
+    *outer, last = t.stride()
+    if last != 1 or (t.data_ptr() | functools.reduce(operator.or_, outer, 0) * t.element_size()) % 16:
         return t.clone(memory_format=torch.contiguous_format)
     return t
 
