@@ -31,10 +31,28 @@ def pad_head_dim(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_dropout(dropout_p) -> None:
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0:
-        raise NotImplementedError(f"dropout is not supported yet: dropout_p must be 0.0, got {dropout_p}")
+    p = _checks.as_float(dropout_p)
+    if p is None or not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if p > 0.0:
+        raise NotImplementedError(f"dropout is not supported yet: dropout_p must be 0.0, got {dropout_p!r}")
+
+
+def _scalar_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic):
+    """flash-attn 2's scalar arguments, checked, with flash-attn 2's conventions resolved: a negative window bound
+    is unbounded and softcap <= 0 is off. Returns (softmax_scale, causal, window_size, softcap, deterministic) with
+    Python values: a float or None, a bool, two ints >= -1, a float >= 0, a bool."""
+    _check_dropout(dropout_p)
+    scale = None if softmax_scale is None else _checks.as_float(softmax_scale)
+    if scale is None and softmax_scale is not None:
+        raise ValueError(
+            f"softmax_scale must be None (for 1/sqrt(head_dim)) or a finite number, got {softmax_scale!r}"
+        )
+    cap = _checks.as_float(softcap)
+    if cap is None:
+        raise ValueError(f"softcap must be a finite number (<= 0 turns it off), got {softcap!r}")
+    return (scale, _checks.as_flag(causal, "causal"), _checks.window_pair(window_size), max(cap, 0.0),
+            _checks.as_flag(deterministic, "deterministic"))
 
 
 def _attention(op, q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes, deterministic, tier):
@@ -51,9 +69,10 @@ def _attention(op, q, k, v, sequences, softmax_scale, window, softcap, alibi_slo
 
 
 def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, tier):
-    _check_dropout(dropout_p)
-    _checks.check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier)
-    window = normalize_window(_checks.window_pair(window_size), causal, q.shape[1], k.shape[1])
+    softmax_scale, causal, window_size, softcap, deterministic = _scalar_options(
+        dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
+    _checks.check_inputs(q, k, v, alibi_slopes, tier)
+    window = normalize_window(window_size, causal, q.shape[1], k.shape[1])
     return _attention(_ops.fwd, q, k, v, (), softmax_scale, window, softcap, alibi_slopes, deterministic, tier)
 
 
@@ -61,17 +80,18 @@ def _varlen_forward(q, k, v, sequences, dropout_p, softmax_scale, causal, window
                     deterministic, tier):
     """_forward for packed sequences; `sequences`: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
     max_seqlen_k)."""
-    _check_dropout(dropout_p)
+    softmax_scale, causal, window_size, softcap, deterministic = _scalar_options(
+        dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k = sequences
     max_seqlen_q, max_seqlen_k = _checks.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                                                             seqused_k, max_seqlen_q, max_seqlen_k, window_size,
-                                                             softcap, alibi_slopes, tier)
+                                                             seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                                                             tier)
     if _checks.varlen_values_check_requested():
         _checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                     max_seqlen_k)
     # A bound may be dropped only where no sequence needs it: the totals bound every sequence's length, while
     # max_seqlen is a hint that the kernels do not trust.
-    window = normalize_window(_checks.window_pair(window_size), causal, q.shape[0], k.shape[0])
+    window = normalize_window(window_size, causal, q.shape[0], k.shape[0])
     sequences = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     return _attention(_ops.varlen_fwd, q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes,
                       deterministic, tier)
