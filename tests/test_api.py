@@ -1227,7 +1227,8 @@ def test_cute_signature_is_fa4s(fn, expected):
                   if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert positional == expected
     others = [(p.name, p.kind, p.default) for p in params if p.kind is not p.POSITIONAL_OR_KEYWORD]
-    assert others == [("dropout_p", inspect.Parameter.KEYWORD_ONLY, 0.0), ("tier", inspect.Parameter.KEYWORD_ONLY, None)]
+    keyword_only = inspect.Parameter.KEYWORD_ONLY
+    assert others == [("dropout_p", keyword_only, 0.0), ("tier", keyword_only, None)]
 
 
 @pytest.mark.parametrize(
