@@ -169,14 +169,13 @@ def flash_attn_varlen_func(
                         learnable_sink=learnable_sink, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
                         mask_mod=mask_mod, block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors,
                         aux_scalars=aux_scalars)
-    window = _window(window_size, causal)
+    window, softcap = _window(window_size, causal), _softcap(softcap)
     if cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
-        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window, _softcap(softcap), _NO_ALIBI,
-                            deterministic, tier)
+        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, _NO_ALIBI, deterministic,
+                            tier)
     else:
         out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                           (dropout_p, softmax_scale, causal, window, _softcap(softcap), _NO_ALIBI, deterministic,
-                            tier))
+                           (dropout_p, softmax_scale, causal, window, softcap, _NO_ALIBI, deterministic, tier))
     return out, _returned_lse(lse, return_lse, q, k, v)
 
 
