@@ -117,9 +117,10 @@ def flash_attn_func(
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim), fp16 or bf16 on CUDA,
     nheads % nheads_k == 0 (GQA/MQA), head_dim <= 256; a last dimension that is not contiguous is copied.
     Query i sees key j iff i + seqlen_k - seqlen_q - window_size[0] <= j <= i + seqlen_k - seqlen_q + window_size[1]
-    (-1 = unbounded side); causal=True sets the right bound to 0 (bottom-right aligned).
-    softcap > 0 applies softcap * tanh(score / softcap); alibi_slopes (fp32, (nheads,) or (batch, nheads)) adds
-    -slope * |i + seqlen_k - seqlen_q - j| to the score. A row that sees no key gets output 0 and lse -inf.
+    (a negative bound leaves its side unbounded); causal=True sets the right bound to 0 (bottom-right aligned).
+    window_size is a pair of integer-likes or an integer tensor of shape (2,), read with one .tolist(): no device
+    synchronisation on the CPU, one on a GPU. softcap > 0 applies softcap * tanh(score / softcap) (<= 0: off);
+    alibi_slopes (fp32, (nheads,) or (batch, nheads)) adds -slope * |i + seqlen_k - seqlen_q - j| to the score. A row that sees no key gets output 0 and lse -inf.
     dropout_p must be 0 (dropout is not supported yet). deterministic=True makes the backward bitwise reproducible
     (dq is accumulated in a fixed order; the default adds it with atomics, faster); the forward always is.
     tier ("sm80", ...) forces a kernel tier, as does the FLASH_ATTN_TIER environment variable.
@@ -202,8 +203,9 @@ def flash_attn_varlen_func(
 
     q: (total_q, nheads, head_dim); k, v: (total_k, nheads_k, head_dim). Sequence i has the query rows
     [cu_seqlens_q[i], cu_seqlens_q[i + 1]) and the key/value rows [cu_seqlens_k[i], cu_seqlens_k[i + 1]);
-    cu_seqlens_q/k: int32 (batch + 1,), from 0 to total_q/total_k, on q's device. max_seqlen_q/k (Python ints): at
-    least the longest query/key sequence; only a hint for the kernel's tiles. seqused_q/seqused_k (int32 (batch,),
+    cu_seqlens_q/k: int32 (batch + 1,), from 0 to total_q/total_k, on q's device. max_seqlen_q/k (ints, or integer
+    tensors of one element): at least the longest query/key sequence; only a hint for the kernel's tiles, so a
+    tensor on a GPU is not read (a synchronisation): total_q/total_k stand in. seqused_q/seqused_k (int32 (batch,),
     as in FlashAttention-3): sequence i uses only the first seqused[i] rows of its slot; with seqused_q, every query
     row outside the used ones (also rows after cu_seqlens_q[-1]) gets out 0, lse -inf and zero gradients; with
     seqused_k, every key row outside them zero gradients. Masks, softcap and ALiBi apply within each sequence,
