@@ -121,8 +121,9 @@ def flash_attn_func(
     window_size is a pair of integer-likes or an integer tensor of shape (2,), read with one .tolist(): no device
     synchronisation on the CPU, one on a GPU. softcap > 0 applies softcap * tanh(score / softcap) (<= 0: off);
     alibi_slopes (fp32, (nheads,) or (batch, nheads)) adds -slope * |i + seqlen_k - seqlen_q - j| to the score.
-    A row that sees no key gets output 0 and lse -inf. dropout_p must be 0 (dropout is not supported yet). deterministic=True makes the backward bitwise reproducible
-    (dq is accumulated in a fixed order; the default adds it with atomics, faster); the forward always is.
+    A row that sees no key gets output 0 and lse -inf. dropout_p must be 0 (dropout is not supported yet).
+    deterministic=True makes the backward bitwise reproducible (dq is accumulated in a fixed order; the default adds
+    it with atomics, faster); the forward always is.
     tier ("sm80", ...) forces a kernel tier, as does the FLASH_ATTN_TIER environment variable.
 
     Returns out (batch, seqlen_q, nheads, head_dim), or (out, softmax_lse, None) when return_attn_probs, with
