@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 
 CUTLASS_HELP = (
-    "flash-attention-cute needs the CUTLASS 4.2 headers. Either `pip install nvidia-cutlass==4.2.0.0 --no-deps`, "
-    "or `git submodule update --init 3rd/cutlass`, or point CUTLASS_DIR at a CUTLASS checkout."
+    "flash-attention-cute needs the CUTLASS 4.2 headers: `pip install nvidia-cutlass==4.2.0.0 --no-deps` (only its "
+    "headers are used), or point CUTLASS_DIR at a CUTLASS v4.2.0 checkout (or put one at 3rd/cutlass)."
 )
 
 

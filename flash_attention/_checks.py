@@ -1,7 +1,10 @@
 """Input validation, done in Python before any kernel runs so that errors name the argument at fault."""
 
+import math
+import numbers
 import operator
 import os
+from collections.abc import Sequence
 from typing import Optional, Tuple
 
 import torch
@@ -69,27 +72,30 @@ def _check_alibi(alibi_slopes, b: int, h: int) -> None:
         )
 
 
-def _check_options(window_size, softcap, tier) -> None:
-    window_pair(window_size)
-    if not isinstance(softcap, (int, float)) or not softcap >= 0:
-        raise ValueError(f"softcap must be a number >= 0 (0 disables it), got {softcap!r}")
-    if tier is not None:
-        parse_tier_name(tier)
-
-
-def check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier) -> None:
-    """Validate the arguments of flash_attn_func. The device is checked last so that every other check can be
-    exercised with CPU tensors."""
+def check_inputs(q, k, v, alibi_slopes, tier) -> None:
+    """Validate the tensors of flash_attn_func and the tier. The device is checked last so that every other check can
+    be exercised with CPU tensors."""
     _check_qkv(q, k, v, (("batch", "seqlen_q", "nheads", "head_dim"), ("batch", "seqlen_k", "nheads_k", "head_dim")))
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q and k/v must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     _check_alibi(alibi_slopes, q.shape[0], q.shape[2])
-    _check_options(window_size, softcap, tier)
-    check_device([q, k, v] + ([alibi_slopes] if alibi_slopes is not None else []))
+    _check_tier(tier)
+    check_device(_named_tensors(q, k, v, alibi_slopes))
+
+
+def _check_tier(tier) -> None:
+    if tier is not None:
+        parse_tier_name(tier)
+
+
+def _named_tensors(q, k, v, alibi_slopes):
+    """The tensors check_device compares, by name; alibi_slopes only when given, so that a message about q, k and v
+    never names an argument that the called function lacks (FlashAttention-4's have no alibi_slopes)."""
+    return {"q": q, "k": k, "v": v, **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes})}
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                        window_size, softcap, alibi_slopes, tier) -> Tuple[int, int]:
+                        alibi_slopes, tier) -> Tuple[int, int]:
     """Validate the arguments of flash_attn_varlen_func; returns max_seqlen_q and max_seqlen_k as Python ints.
 
     Only metadata is checked (types, dtypes, shapes, devices), never a tensor's values: reading them would wait for
@@ -114,10 +120,11 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
             _check_index_tensor(seqused, name, q.device)
             if len(seqused) != b:
                 raise ValueError(f"{name} must have length batch = len(cu_seqlens_q) - 1 = {b}, got {len(seqused)}")
-    max_seqlens = _max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k")
+    max_seqlens = (_max_seqlen(max_seqlen_q, "max_seqlen_q", q.shape[0]),
+                   _max_seqlen(max_seqlen_k, "max_seqlen_k", k.shape[0]))
     _check_alibi(alibi_slopes, b, q.shape[1])
-    _check_options(window_size, softcap, tier)
-    check_device([q, k, v] + ([alibi_slopes] if alibi_slopes is not None else []))
+    _check_tier(tier)
+    check_device(_named_tensors(q, k, v, alibi_slopes))
     return max_seqlens
 
 
@@ -135,12 +142,19 @@ def _check_index_tensor(t, name: str, device: torch.device) -> None:
         raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
 
 
-def _max_seqlen(value, name: str):
-    """max_seqlen as a Python int >= 0. A tensor is refused: its value would have to be read from the GPU. While
-    torch.compile traces, an int may be symbolic (from .item(), say) and is not compared: it is only a hint."""
+def _max_seqlen(value, name: str, total: int):
+    """max_seqlen as a Python int >= 0; the kernels take it only as a hint for their tiles. An int, or a tensor of one
+    integer (Hugging Face and Transformer Engine pass one to FlashAttention-4): read with .item() on the CPU, which
+    waits for no GPU; on a GPU, or while torch.compile traces, reading it would wait for the GPU or break the graph,
+    so the total rows stand in, an upper bound of every sequence's length. While torch.compile traces, an int may be
+    symbolic (from .item(), say) and is not compared."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and _integer_dtype(value.dtype):
+        if value.device.type != "cpu" or torch.compiler.is_compiling():
+            return total
+        value = value.item()
     n = None if isinstance(value, (bool, torch.Tensor)) else _index(value)
     if n is None or (not torch.compiler.is_compiling() and n < 0):
-        raise ValueError(f"{name} must be a Python int >= 0 (not a tensor), got {value!r}")
+        raise ValueError(f"{name} must be an int >= 0 or an integer tensor of one element, got {value!r}")
     return n
 
 
@@ -153,35 +167,72 @@ def _index(x) -> Optional[int]:
         return None
 
 
+def _integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def as_int(w):
     """An integer-like window bound as a Python int (Python and numpy ints, 0-d integer tensors), else None."""
     if isinstance(w, bool):
         return None
     if isinstance(w, torch.Tensor):
-        if w.dim() != 0 or w.dtype == torch.bool or w.is_floating_point() or w.is_complex():
-            return None
-        return int(w.item())
+        return int(w.item()) if w.dim() == 0 and _integer_dtype(w.dtype) else None
     return _index(w)
 
 
+def as_float(x) -> Optional[float]:
+    """A finite real number (not a bool), or a tensor of one such element, as a Python float; else None. A tensor is
+    read with .item(), which on a GPU waits for it."""
+    if isinstance(x, torch.Tensor):
+        x = x.item() if x.numel() == 1 and x.dtype != torch.bool and not x.is_complex() else None
+    # A comparison, not math.isfinite, which torch.compile cannot trace on a symbolic float; NaN fails it too.
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not -math.inf < x < math.inf:
+        return None
+    return float(x)
+
+
+def as_flag(x, name: str) -> bool:
+    """causal, deterministic: True or False (also the ints 1 and 0)."""
+    if not isinstance(x, int) or x not in (0, 1):
+        raise TypeError(f"{name} must be True or False, got {x!r}")
+    return bool(x)
+
+
+def window_elements(window_size) -> Optional[list]:
+    """The two elements of window_size, else None: any sequence of length 2 (not a string), or an integer tensor or
+    array of shape (2,) (flash-attn 2's tests draw windows as torch.randint(0, seqlen_k, (2,))), read with one
+    .tolist(): on the CPU that waits for no GPU; on a GPU it is one device synchronisation."""
+    if not isinstance(window_size, torch.Tensor) and hasattr(window_size, "__array__"):  # numpy arrays
+        window_size = torch.as_tensor(window_size)
+    if isinstance(window_size, torch.Tensor):
+        fits = tuple(window_size.shape) == (2,) and _integer_dtype(window_size.dtype)
+        return window_size.tolist() if fits else None
+    if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence) or len(window_size) != 2:
+        return None
+    return list(window_size)
+
+
 def window_pair(window_size) -> Tuple[int, int]:
-    """window_size as two Python ints >= -1, accepting what flash-attn accepts: any pair of integer-likes."""
-    bounds = [as_int(w) for w in window_size] if isinstance(window_size, (tuple, list)) else []
-    if len(bounds) != 2 or any(w is None or w < -1 for w in bounds):
+    """flash-attn 2's window_size as two Python ints >= -1: a pair of integer-likes (window_elements), where any
+    negative bound leaves its side unbounded, as in flash-attn 2."""
+    bounds = [as_int(w) for w in window_elements(window_size) or ()]
+    if len(bounds) != 2 or None in bounds:
         raise ValueError(
-            f"window_size must be a pair of integers >= -1 (-1 = unbounded), got {window_size!r}"
+            "window_size must be a pair of integers (a negative bound leaves its side unbounded): a tuple or list of "
+            f"two ints, or an integer tensor of shape (2,), got {window_size!r}"
         )
-    return bounds[0], bounds[1]
+    return max(bounds[0], -1), max(bounds[1], -1)
 
 
 def check_device(tensors) -> None:
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        raise ValueError(
-            "q, k, v and alibi_slopes must be on the same device, got " + ", ".join(str(t.device) for t in tensors)
-        )
-    if device.type != "cuda":
-        raise ValueError(f"q, k, v and alibi_slopes must be CUDA tensors, got device {device}")
+    """tensors: {name: tensor}, to be on one CUDA device."""
+    names = list(tensors)
+    names = ", ".join(names[:-1]) + f" and {names[-1]}"
+    devices = [t.device for t in tensors.values()]
+    if any(d != devices[0] for d in devices):
+        raise ValueError(f"{names} must be on the same device, got " + ", ".join(str(d) for d in devices))
+    if devices[0].type != "cuda":
+        raise ValueError(f"{names} must be CUDA tensors, got device {devices[0]}")
 
 
 def varlen_values_check_requested() -> bool:

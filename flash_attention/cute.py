@@ -10,7 +10,11 @@ The parameters have FA4's names, order and defaults, and the functions return FA
   leaves out the diagonal.
 - Performance hints, which do not change the result, are accepted and ignored: num_splits, pack_gqa, min_seqlen_k,
   scheduler_metadata, seqlen_k_per_split, disable_scheduler_metadata.
-- A keyword-only tier= picks the kernel tier, as in flash_attention.flash_attn_func.
+- A keyword-only tier= picks the kernel tier, as in flash_attention.flash_attn_func; a keyword-only dropout_p (0
+  only, as callers written for flash-attn 2 pass it) is accepted too.
+- window_size may also be an integer tensor of shape (2,), read with one .tolist() (a device synchronisation when
+  it is on a GPU); max_seqlen_q/k may be tensors (see flash_attn_varlen_func).
+- flash_attn_varlen_func also serves FA4's argument order from before qv became its 4th parameter (see there).
 Both run on the same custom ops as flash_attention's functions.
 """
 
@@ -21,7 +25,6 @@ import torch
 from . import _checks
 from .interface import _forward, _varlen_forward
 
-_NO_DROPOUT = 0.0
 _NO_ALIBI = None
 
 
@@ -33,15 +36,18 @@ def _reject_unsupported(**features) -> None:
             )
 
 
-def _window(window_size, causal: bool):
+def _window(window_size, causal):
     """FA4's window_size as this package's: resolved as FA4 resolves it (causal sets the right bound to 0; a pair
     summing below 0, such as flash-attn 2's (-1, -1), means no window), then None becomes -1 (unbounded)."""
-    pair = window_size if isinstance(window_size, (tuple, list)) else ()
+    pair = _checks.window_elements(window_size) or ()
     bounds = [None if w is None else _checks.as_int(w) for w in pair]
     if len(bounds) != 2 or any(b is None and w is not None for b, w in zip(bounds, pair)):
-        raise ValueError(f"window_size must be a pair of integers or None (None = unbounded), got {window_size!r}")
+        raise ValueError(
+            "window_size must be a pair of integers or None (None = unbounded), or an integer tensor of shape (2,), "
+            f"got {window_size!r}"
+        )
     left, right = bounds
-    if causal:
+    if _checks.as_flag(causal, "causal"):
         right = 0
     if left is not None and right is not None and left + right < 0:
         left = right = None
@@ -52,6 +58,15 @@ def _window(window_size, causal: bool):
                 "that leaves out the diagonal; use None for an unbounded side"
             )
     return (-1 if left is None else left, -1 if right is None else right)
+
+
+def _softcap(softcap) -> float:
+    """FA4's softcap: a number >= 0, 0 turning it off (flash_attention's flash-attn 2 functions also take a negative
+    one as off)."""
+    value = _checks.as_float(softcap)
+    if value is None or value < 0:
+        raise ValueError(f"softcap must be a number >= 0 (0 turns it off), got {softcap!r}")
+    return value
 
 
 def _returned_lse(lse, return_lse: bool, q, k, v) -> Optional[torch.Tensor]:
@@ -85,6 +100,7 @@ def flash_attn_func(
     block_sparse_tensors_bwd=None,
     return_lse: bool = False,
     *,
+    dropout_p: float = 0.0,
     tier: Optional[str] = None,
 ):
     """FA4's flash_attn_func: q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_k, head_dim).
@@ -94,8 +110,8 @@ def flash_attn_func(
                         score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
                         aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors,
                         block_sparse_tensors_bwd=block_sparse_tensors_bwd)
-    out, lse = _forward(q, k, v, _NO_DROPOUT, softmax_scale, causal, _window(window_size, causal), softcap, _NO_ALIBI,
-                        deterministic, tier)
+    out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, _window(window_size, causal), _softcap(softcap),
+                        _NO_ALIBI, deterministic, tier)
     return out, _returned_lse(lse, return_lse, q, k, v)
 
 
@@ -132,26 +148,56 @@ def flash_attn_varlen_func(
     seqlen_k_per_split: Optional[int] = None,
     disable_scheduler_metadata: bool = False,
     *,
+    dropout_p: float = 0.0,
     tier: Optional[str] = None,
 ):
     """FA4's flash_attn_varlen_func. Each side is packed, q (total_q, nheads, head_dim) with cu_seqlens_q (batch + 1,)
     and k/v (total_k, nheads_k, head_dim) with cu_seqlens_k, or batched, (batch, seqlen, ...) with cu_seqlens None;
     seqused_q/seqused_k (batch,) limit each sequence to its first rows. max_seqlen_q/k, a hint, default to the
-    longest a sequence can be. Returns (out, lse): out like q; lse fp32 (nheads, total_q) for a packed q,
-    (batch, nheads, seqlen_q) for a batched one (see _returned_lse). The rest as in
-    flash_attention.flash_attn_varlen_func."""
+    longest a sequence can be; an int or an integer tensor of one element (read on the CPU; on a GPU, where reading
+    it would wait for the GPU, the longest a sequence can be stands in). Returns (out, lse): out like q; lse fp32
+    (nheads, total_q) for a packed q, (batch, nheads, seqlen_q) for a batched one (see _returned_lse). The rest as in
+    flash_attention.flash_attn_varlen_func.
+
+    FA4's older order, flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), is
+    served too: a positional call in that order puts cu_seqlens_q in qv, where a packed (rank-3) q never has a 1-D
+    int32 tensor otherwise, so such a qv is read as cu_seqlens_q and the next three arguments as cu_seqlens_k,
+    max_seqlen_q and max_seqlen_k."""
+    qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = _current_order(
+        q, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _reject_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, page_table=page_table,
                         learnable_sink=learnable_sink, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
                         mask_mod=mask_mod, block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors,
                         aux_scalars=aux_scalars)
-    window = _window(window_size, causal)
+    window, softcap = _window(window_size, causal), _softcap(softcap)
     if cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
-        out, lse = _forward(q, k, v, _NO_DROPOUT, softmax_scale, causal, window, softcap, _NO_ALIBI, deterministic,
+        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, _NO_ALIBI, deterministic,
                             tier)
     else:
         out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                           (_NO_DROPOUT, softmax_scale, causal, window, softcap, _NO_ALIBI, deterministic, tier))
+                           (dropout_p, softmax_scale, causal, window, softcap, _NO_ALIBI, deterministic, tier))
     return out, _returned_lse(lse, return_lse, q, k, v)
+
+
+def _current_order(q, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """(qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) in the current order. A 1-D int32 qv beside a
+    packed q is cu_seqlens_q passed positionally in the old order (q, k, v, cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k): each argument then sits one parameter to the right of its name. The old call has
+    at most those seven arguments, so max_seqlen_k is then None and cu_seqlens_k holds a max_seqlen (an int or a
+    one-element tensor); anything else mixes the two orders and is refused with the way to call."""
+    old_order = (isinstance(qv, torch.Tensor) and qv.dim() == 1 and qv.dtype == torch.int32
+                 and isinstance(q, torch.Tensor) and q.dim() == 3)
+    if not old_order:
+        return qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    holds_max_seqlen = not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.numel() == 1
+    if max_seqlen_k is not None or not holds_max_seqlen:
+        raise TypeError(
+            "flash_attention.cute.flash_attn_varlen_func: qv is a 1-D int32 tensor, as cu_seqlens_q is in FA4's old "
+            "argument order (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), but the other "
+            "arguments fit neither order; pass the sequences by keyword: flash_attn_varlen_func(q, k, v, "
+            "cu_seqlens_q=..., cu_seqlens_k=..., max_seqlen_q=..., max_seqlen_k=...)"
+        )
+    return None, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, options):
@@ -159,8 +205,10 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqle
     q's batched shape when it was batched. options: _varlen_forward's arguments after `sequences`."""
     batched_q, batched_k = cu_seqlens_q is None, cu_seqlens_k is None
     q_flat, cu_seqlens_q, max_seqlen_q = _packed(q, cu_seqlens_q, max_seqlen_q, "q", "cu_seqlens_q")
-    v_flat, _, _ = _packed(v, cu_seqlens_k, None, "v", "cu_seqlens_k")  # before k's call replaces cu_seqlens_k
-    k_flat, cu_seqlens_k, max_seqlen_k = _packed(k, cu_seqlens_k, max_seqlen_k, "k", "cu_seqlens_k")
+    # k first, so that a k/v layout at fault is reported for k; v's call takes the cu_seqlens_k it was given.
+    k_flat, cu_flat_k, max_seqlen_k = _packed(k, cu_seqlens_k, max_seqlen_k, "k", "cu_seqlens_k")
+    v_flat, _, _ = _packed(v, cu_seqlens_k, None, "v", "cu_seqlens_k")
+    cu_seqlens_k = cu_flat_k
     _check_same_batch(batched_q, batched_k, cu_seqlens_q, cu_seqlens_k)
     sequences = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     out, lse = _varlen_forward(q_flat, k_flat, v_flat, sequences, *options)

@@ -31,10 +31,28 @@ def pad_head_dim(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_dropout(dropout_p) -> None:
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0:
-        raise NotImplementedError(f"dropout is not supported yet: dropout_p must be 0.0, got {dropout_p}")
+    p = _checks.as_float(dropout_p)
+    if p is None or not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if p > 0.0:
+        raise NotImplementedError(f"dropout is not supported yet: dropout_p must be 0.0, got {dropout_p!r}")
+
+
+def _scalar_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic):
+    """flash-attn 2's scalar arguments, checked, with flash-attn 2's conventions resolved: a negative window bound
+    is unbounded and softcap <= 0 is off. Returns (softmax_scale, causal, window_size, softcap, deterministic) with
+    Python values: a float or None, a bool, two ints >= -1, a float >= 0, a bool."""
+    _check_dropout(dropout_p)
+    scale = None if softmax_scale is None else _checks.as_float(softmax_scale)
+    if scale is None and softmax_scale is not None:
+        raise ValueError(
+            f"softmax_scale must be None (for 1/sqrt(head_dim)) or a finite number, got {softmax_scale!r}"
+        )
+    cap = _checks.as_float(softcap)
+    if cap is None:
+        raise ValueError(f"softcap must be a finite number (<= 0 turns it off), got {softcap!r}")
+    return (scale, _checks.as_flag(causal, "causal"), _checks.window_pair(window_size), max(cap, 0.0),
+            _checks.as_flag(deterministic, "deterministic"))
 
 
 # The sequence arguments of a batched call: no cu_seqlens or seqused, max_seqlen 0 (the tensors' rows).
@@ -56,9 +74,10 @@ def _attention(q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes,
 
 
 def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, tier):
-    _check_dropout(dropout_p)
-    _checks.check_inputs(q, k, v, window_size, softcap, alibi_slopes, tier)
-    window = normalize_window(_checks.window_pair(window_size), causal, q.shape[1], k.shape[1])
+    softmax_scale, causal, window_size, softcap, deterministic = _scalar_options(
+        dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
+    _checks.check_inputs(q, k, v, alibi_slopes, tier)
+    window = normalize_window(window_size, causal, q.shape[1], k.shape[1])
     return _attention(q, k, v, _BATCHED, softmax_scale, window, softcap, alibi_slopes, deterministic, tier)
 
 
@@ -66,17 +85,18 @@ def _varlen_forward(q, k, v, sequences, dropout_p, softmax_scale, causal, window
                     deterministic, tier):
     """_forward for packed sequences; `sequences`: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
     max_seqlen_k)."""
-    _check_dropout(dropout_p)
+    softmax_scale, causal, window_size, softcap, deterministic = _scalar_options(
+        dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k = sequences
     max_seqlen_q, max_seqlen_k = _checks.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                                                             seqused_k, max_seqlen_q, max_seqlen_k, window_size,
-                                                             softcap, alibi_slopes, tier)
+                                                             seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                                                             tier)
     if _checks.varlen_values_check_requested():
         _checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                     max_seqlen_k)
     # A bound may be dropped only where no sequence needs it: the totals bound every sequence's length, while
     # max_seqlen is a hint that the kernels do not trust.
-    window = normalize_window(_checks.window_pair(window_size), causal, q.shape[0], k.shape[0])
+    window = normalize_window(window_size, causal, q.shape[0], k.shape[0])
     sequences = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     return _attention(q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes, deterministic, tier)
 
@@ -101,11 +121,13 @@ def flash_attn_func(
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim), fp16 or bf16 on CUDA,
     nheads % nheads_k == 0 (GQA/MQA), head_dim <= 256; a last dimension that is not contiguous is copied.
     Query i sees key j iff i + seqlen_k - seqlen_q - window_size[0] <= j <= i + seqlen_k - seqlen_q + window_size[1]
-    (-1 = unbounded side); causal=True sets the right bound to 0 (bottom-right aligned).
-    softcap > 0 applies softcap * tanh(score / softcap); alibi_slopes (fp32, (nheads,) or (batch, nheads)) adds
-    -slope * |i + seqlen_k - seqlen_q - j| to the score. A row that sees no key gets output 0 and lse -inf.
-    dropout_p must be 0 (dropout is not supported yet). deterministic=True makes the backward bitwise reproducible
-    (dq is accumulated in a fixed order; the default adds it with atomics, faster); the forward always is.
+    (a negative bound leaves its side unbounded); causal=True sets the right bound to 0 (bottom-right aligned).
+    window_size is a pair of integer-likes or an integer tensor of shape (2,), read with one .tolist(): no device
+    synchronisation on the CPU, one on a GPU. softcap > 0 applies softcap * tanh(score / softcap) (<= 0: off);
+    alibi_slopes (fp32, (nheads,) or (batch, nheads)) adds -slope * |i + seqlen_k - seqlen_q - j| to the score.
+    A row that sees no key gets output 0 and lse -inf. dropout_p must be 0 (dropout is not supported yet).
+    deterministic=True makes the backward bitwise reproducible (dq is accumulated in a fixed order; the default adds
+    it with atomics, faster); the forward always is.
     tier ("sm80", ...) forces a kernel tier, as does the FLASH_ATTN_TIER environment variable.
 
     Returns out (batch, seqlen_q, nheads, head_dim), or (out, softmax_lse, None) when return_attn_probs, with
@@ -186,8 +208,9 @@ def flash_attn_varlen_func(
 
     q: (total_q, nheads, head_dim); k, v: (total_k, nheads_k, head_dim). Sequence i has the query rows
     [cu_seqlens_q[i], cu_seqlens_q[i + 1]) and the key/value rows [cu_seqlens_k[i], cu_seqlens_k[i + 1]);
-    cu_seqlens_q/k: int32 (batch + 1,), from 0 to total_q/total_k, on q's device. max_seqlen_q/k (Python ints): at
-    least the longest query/key sequence; only a hint for the kernel's tiles. seqused_q/seqused_k (int32 (batch,),
+    cu_seqlens_q/k: int32 (batch + 1,), from 0 to total_q/total_k, on q's device. max_seqlen_q/k (ints, or integer
+    tensors of one element): at least the longest query/key sequence; only a hint for the kernel's tiles, so a
+    tensor on a GPU is not read (a synchronisation): total_q/total_k stand in. seqused_q/seqused_k (int32 (batch,),
     as in FlashAttention-3): sequence i uses only the first seqused[i] rows of its slot; with seqused_q, every query
     row outside the used ones (also rows after cu_seqlens_q[-1]) gets out 0, lse -inf and zero gradients; with
     seqused_k, every key row outside them zero gradients. Masks, softcap and ALiBi apply within each sequence,

@@ -7,7 +7,8 @@ ones (masks x odd lengths x GQA) instead of taking the full Cartesian product.""
 import pytest
 import torch
 
-from flash_attention import _catalog, _dispatch, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flash_attention import (_catalog, _dispatch, cute, flash_attn_func, flash_attn_kvpacked_func,
+                             flash_attn_qkvpacked_func)
 from helpers import (DTYPES, HEADS, LAYOUTS, SMEM_BUDGETS, Case, assert_matches_reference, bf16, build_cases,
                      case_kwargs, fp16, make_inputs, poison_allocator, require_kernel)
 
@@ -84,6 +85,30 @@ def test_kvpacked_matches_unpacked(dtype, heads, d):
     out = flash_attn_kvpacked_func(q, kv, causal=True, window_size=(50, -1))
     k, v = (t.contiguous() for t in kv.unbind(2))
     assert torch.equal(out, flash_attn_func(q, k, v, causal=True, window_size=(50, -1)))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tensor_window(causal, device):
+    """window_size as flash-attn 2's tests draw it, torch.randint(0, seqlen_k, (2,)), on the CPU (read without a
+    sync) or the GPU (one sync): the same results as the tuple, for the packed functions and flash_attention.cute
+    too."""
+    require_kernel(64, bf16)
+    torch.manual_seed(0)
+    window = torch.randint(0, 300, (2,), device=device)
+    pair = tuple(window.tolist())
+    qkv = torch.randn(2, 300, 3, 4, 64, dtype=bf16, device="cuda")
+    q, k, v = (t.contiguous() for t in qkv.unbind(2))
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=causal, window_size=pair))
+    assert_matches_reference(out, lse, q, k, v, causal=causal, window_size=pair)
+    assert torch.equal(flash_attn_qkvpacked_func(qkv, causal=causal, window_size=window),
+                       flash_attn_qkvpacked_func(qkv, causal=causal, window_size=pair))
+    kv = qkv[:, :, 1:]
+    assert torch.equal(flash_attn_kvpacked_func(q, kv, causal=causal, window_size=window),
+                       flash_attn_kvpacked_func(q, kv, causal=causal, window_size=pair))
+    assert torch.equal(cute.flash_attn_func(q, k, v, causal=causal, window_size=window)[0],
+                       cute.flash_attn_func(q, k, v, causal=causal, window_size=pair)[0])
 
 
 def test_return_attn_probs():

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import flash_attention
+import flash_attention.cute
 from flash_attention import flash_attn_func
 from helpers import (DTYPES, HEAD_DIMS, HEADS, SMEM_BUDGETS, VarlenCase, assert_varlen_grads_correct,
                      assert_varlen_matches_reference, bf16, cumulative, fp16, int32_cuda, make_varlen_inputs,
@@ -423,6 +424,33 @@ def test_kvpacked_matches_unpacked(heads):
     grads = torch.autograd.grad(ref, leaves, dout)
     assert torch.equal(out, ref)
     assert torch.equal(dq, grads[0]) and torch.equal(dkv, torch.stack(grads[1:], dim=1))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_tensor_window_and_max_seqlen(device):
+    """window_size as flash-attn 2's tests draw it, torch.randint(0, seqlen_k, (2,)), and max_seqlen_q/k as tensors
+    (as Hugging Face passes them to FlashAttention-4), on the CPU or the GPU: the same results as Python ints, for the
+    packed functions and flash_attention.cute too."""
+    require_kernel(64, bf16)
+    torch.manual_seed(0)
+    lengths = (65, 300, 0, 7)
+    cu = int32_cuda(cumulative(lengths))
+    window = torch.randint(0, 300, (2,), device=device)
+    max_seqlen = torch.tensor(300, device=device)
+    pair = tuple(window.tolist())
+    hint = 300 if device == "cpu" else sum(lengths)  # a GPU tensor is not read: the total rows stand in
+    qkv = torch.randn(sum(lengths), 3, 4, 64, dtype=bf16, device="cuda")
+    q, k, v = (t.contiguous() for t in qkv.unbind(1))
+    expected = varlen_func(q, k, v, cu, cu, hint, hint, causal=True, window_size=pair)
+    assert torch.equal(varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, window_size=window), expected)
+    assert torch.equal(flash_attention.flash_attn_varlen_qkvpacked_func(qkv, cu, max_seqlen, causal=True,
+                                                                        window_size=window), expected)
+    assert torch.equal(flash_attention.flash_attn_varlen_kvpacked_func(q, qkv[:, 1:], cu, cu, max_seqlen, max_seqlen,
+                                                                       causal=True, window_size=window), expected)
+    out, _ = flash_attention.cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                         max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+                                                         causal=True, window_size=window)
+    assert torch.equal(out, expected)
 
 
 def test_some_inputs_require_grad():
