@@ -183,6 +183,8 @@ def as_int(w):
 def as_float(x) -> Optional[float]:
     """A finite real number (not a bool), or a tensor of one such element, as a Python float; else None. A tensor is
     read with .item(), which on a GPU waits for it."""
+    if type(x) is float:  # the common case, first: this runs on every call
+        return x if -math.inf < x < math.inf else None
     if isinstance(x, torch.Tensor):
         x = x.item() if x.numel() == 1 and x.dtype != torch.bool and not x.is_complex() else None
     # A comparison, not math.isfinite, which torch.compile cannot trace on a symbolic float; NaN fails it too.
@@ -193,6 +195,8 @@ def as_float(x) -> Optional[float]:
 
 def as_flag(x, name: str) -> bool:
     """causal, deterministic: True or False (also the ints 1 and 0)."""
+    if x is True or x is False:
+        return x
     if not isinstance(x, int) or x not in (0, 1):
         raise TypeError(f"{name} must be True or False, got {x!r}")
     return bool(x)
@@ -215,6 +219,10 @@ def window_elements(window_size) -> Optional[list]:
 def window_pair(window_size) -> Tuple[int, int]:
     """flash-attn 2's window_size as two Python ints >= -1: a pair of integer-likes (window_elements), where any
     negative bound leaves its side unbounded, as in flash-attn 2."""
+    if type(window_size) is tuple and len(window_size) == 2:  # the common case, first: this runs on every call
+        left, right = window_size
+        if type(left) is int and type(right) is int:
+            return max(left, -1), max(right, -1)
     bounds = [as_int(w) for w in window_elements(window_size) or ()]
     if len(bounds) != 2 or None in bounds:
         raise ValueError(
@@ -226,13 +234,15 @@ def window_pair(window_size) -> Tuple[int, int]:
 
 def check_device(tensors) -> None:
     """tensors: {name: tensor}, to be on one CUDA device."""
+    devices = [t.device for t in tensors.values()]
+    same = devices.count(devices[0]) == len(devices)
+    if same and devices[0].type == "cuda":
+        return
     names = list(tensors)
     names = ", ".join(names[:-1]) + f" and {names[-1]}"
-    devices = [t.device for t in tensors.values()]
-    if any(d != devices[0] for d in devices):
+    if not same:
         raise ValueError(f"{names} must be on the same device, got " + ", ".join(str(d) for d in devices))
-    if devices[0].type != "cuda":
-        raise ValueError(f"{names} must be CUDA tensors, got device {devices[0]}")
+    raise ValueError(f"{names} must be CUDA tensors, got device {devices[0]}")
 
 
 def varlen_values_check_requested() -> bool:

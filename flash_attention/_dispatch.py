@@ -126,8 +126,7 @@ def check_kernel_available(available, tier: str, head_dim: int, dtype_name: str,
         )
 
 
-@functools.lru_cache(maxsize=None)
-def _resolve(device_index: int, kind: str, head_dim: int, dtype: torch.dtype, override: Optional[str]) -> Tuple[int, int]:
+def _route(device_index: int, kind: str, head_dim: int, dtype: torch.dtype, override: Optional[str]) -> Tuple[int, int]:
     available = available_kernels()
     dtype_name = DTYPE_NAMES[dtype]
     tier = routed_tier(available, select_tier(torch.cuda.get_device_capability(device_index), override), head_dim,
@@ -137,12 +136,20 @@ def _resolve(device_index: int, kind: str, head_dim: int, dtype: torch.dtype, ov
     return key[0], key[2]
 
 
+# (device index, kind, head dim, dtype, override) -> (tier id, kernel head dim); a plain dict, the cheapest lookup.
+_resolved = {}
+
+
 def resolve(device: torch.device, kind: str, head_dim: int, dtype: torch.dtype, tier: Optional[str]) -> Tuple[int, int]:
     """(tier id, kernel head dim) of the kernel that runs this call. Resolved at run time rather than by the caller, so
-    that FLASH_ATTN_TIER is read on every call, also under torch.compile; the rest is cached per key (errors are not
-    cached: lru_cache keeps only returned values)."""
+    that FLASH_ATTN_TIER is read on every call, also under torch.compile; the rest is cached per key (an error is
+    not: it is raised again on the next call)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _resolve(index, kind, head_dim, dtype, requested_tier(tier))
+    key = (index, kind, head_dim, dtype, requested_tier(tier))
+    found = _resolved.get(key)
+    if found is None:
+        found = _resolved[key] = _route(*key)
+    return found
 
 
 def resolve_tier(device: torch.device, tier: Optional[str], head_dim: int, dtype: torch.dtype, kind: str) -> str:

@@ -8,35 +8,11 @@ machinery around a Python op (its overhead is several times the rest of the host
 runs the same implementation through a plain autograd.Function when nothing traces or intercepts the call.
 """
 
-import functools
-import operator
 from typing import Optional, Tuple
 
 import torch
 
 from . import _dispatch
-
-def kernel_operand(t: torch.Tensor) -> torch.Tensor:
-    """The kernel loads 16-byte vectors: the last dimension must be contiguous, every other stride a multiple of 8
-    elements and the base pointer 16-byte aligned. Otherwise copy (autograd hands the gradient of out.sum() over as a
-    broadcast view with stride 0 everywhere); clone rather than .contiguous(), which keeps a misaligned view that
-    torch already considers contiguous."""
-    *outer, last = t.stride()
-    if last != 1 or (t.data_ptr() | functools.reduce(operator.or_, outer, 0) * t.element_size()) % 16:
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
-def _optional_contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None else t.contiguous()
-
-
-def _buffer(shape, dtype: torch.dtype, device: torch.device, fill: Optional[float]) -> torch.Tensor:
-    """An output buffer: left uninitialized when the kernel writes all of it, else filled with `fill`."""
-    if fill is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return torch.full(shape, fill, dtype=dtype, device=device)
-
 
 def _lse_shape(q: torch.Tensor):
     """(b, h, sq) batched; (h, total_q) packed."""
@@ -54,41 +30,27 @@ def _nothing_to_compute(q, k, cu_seqlens_q) -> bool:
 
 def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                  softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
-    """(out, lse) of the forward kernel on validated operands whose head dim is a multiple of 8. With nothing to
-    compute, out is 0 and lse -inf; so are the rows past seqused_q, which the kernel leaves unwritten."""
-    empty = _nothing_to_compute(q, k, cu_seqlens_q)
-    prefill = empty or seqused_q is not None
-    out = _buffer(q.shape, q.dtype, q.device, 0.0 if prefill else None)
-    lse = _buffer(_lse_shape(q), torch.float32, q.device, float("-inf") if prefill else None)
-    if empty:
-        return out, lse
+    """(out, lse) of the forward kernel on validated operands whose head dim is a multiple of 8; the binding copies
+    operands whose strides or alignment the kernels cannot load, and allocates the outputs. With nothing to compute,
+    out is 0 and lse -inf, and no kernel runs."""
+    if _nothing_to_compute(q, k, cu_seqlens_q):
+        return q.new_zeros(q.shape), q.new_full(_lse_shape(q), float("-inf"), dtype=torch.float32)
     ext = _dispatch.load_extension()
     tier_id, kernel_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, tier)
-    ext.fwd(
-        kernel_operand(q), kernel_operand(k), kernel_operand(v), out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-        seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
-        _optional_contiguous(alibi_slopes), kernel_dim, tier_id)
-    return out, lse
+    return ext.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, window_left, window_right, softcap, alibi_slopes, kernel_dim, tier_id)
 
 
 def backward_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                   max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
-    """(dq, dk, dv) of the backward kernel. Zero with nothing to compute, and zeroed first where the kernel leaves
-    rows unwritten: dq past seqused_q, dk and dv past seqused_k."""
-    empty = _nothing_to_compute(q, k, cu_seqlens_q)
-    dq = _buffer(q.shape, q.dtype, q.device, 0.0 if empty or seqused_q is not None else None)
-    dk = _buffer(k.shape, k.dtype, k.device, 0.0 if empty or seqused_k is not None else None)
-    dv = _buffer(v.shape, v.dtype, v.device, 0.0 if empty or seqused_k is not None else None)
-    if empty:
-        return dq, dk, dv
+    """(dq, dk, dv) of the backward kernel; zero with nothing to compute."""
+    if _nothing_to_compute(q, k, cu_seqlens_q):
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     ext = _dispatch.load_extension()
     tier_id, kernel_dim = _dispatch.resolve(q.device, "bwd", q.shape[-1], q.dtype, tier)
-    ext.bwd(
-        kernel_operand(dout), kernel_operand(q), kernel_operand(k), kernel_operand(v), kernel_operand(out),
-        lse.contiguous(), _optional_contiguous(dlse), dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-        max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
-        _optional_contiguous(alibi_slopes), deterministic, kernel_dim, tier_id)
-    return dq, dk, dv
+    return ext.bwd(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                   max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic,
+                   kernel_dim, tier_id)
 
 
 def _outputs_like(*tensors):

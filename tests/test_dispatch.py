@@ -185,9 +185,8 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
     monkeypatch.setattr(_dispatch, "available_kernels", lambda: available)
     monkeypatch.delenv("FLASH_ATTN_TIER", raising=False)
-    _dispatch._resolve.cache_clear()
-    yield lookups
-    _dispatch._resolve.cache_clear()
+    monkeypatch.setattr(_dispatch, "_resolved", {})
+    return lookups
 
 
 def test_resolve(fake_device):

@@ -130,6 +130,31 @@ def test_strided_views_match_contiguous(layout):
     assert torch.equal(out, flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous(), causal=True))
 
 
+def _misaligned(*shape):
+    """A contiguous tensor whose data starts 2 bytes past a 16-byte boundary."""
+    return torch.randn(shape[0] * shape[1] * shape[2] * shape[3] + 1, dtype=bf16, device="cuda")[1:].view(*shape)
+
+
+# Views the kernels cannot load as they are (the binding copies them): their results must match a contiguous copy's.
+BAD_VIEWS = {
+    "misaligned-base": lambda: _misaligned(2, 65, 4, 64),
+    "row-stride-72": lambda: torch.randn(2, 65, 4, 72, dtype=bf16, device="cuda")[..., :64],
+    "size1-dim-stride-3": lambda: torch.randn(1, 65, 4, 64, dtype=bf16, device="cuda").as_strided(
+        (1, 65, 4, 64), (3, 256, 64, 1)),
+    "broadcast": lambda: torch.randn((), dtype=bf16, device="cuda").expand(2, 65, 4, 64),
+}
+
+
+@pytest.mark.parametrize("view", BAD_VIEWS)
+def test_unloadable_views_are_copied(view):
+    require_kernel(64, bf16)
+    q = BAD_VIEWS[view]()
+    k, v = (torch.randn(q.shape[0], 80, 4, 64, dtype=bf16, device="cuda") for _ in range(2))
+    copy = q.clone(memory_format=torch.contiguous_format)
+    for causal in (False, True):
+        assert torch.equal(flash_attn_func(q, k, v, causal=causal), flash_attn_func(copy, k, v, causal=causal))
+
+
 @pytest.mark.parametrize("d", [64, 59], ids=lambda d: f"d{d}")
 def test_torch_compile_fullgraph(d):
     require_kernel(d, bf16)

@@ -46,13 +46,26 @@ void check_operand(at::Tensor const& t, char const* name, at::Tensor const& like
     TORCH_CHECK(t.is_cuda() && t.device() == like.device(), "flash_attention: ", name, " must be on q's CUDA device");
     TORCH_CHECK(t.scalar_type() == like.scalar_type(), "flash_attention: ", name, " must have q's dtype");
     TORCH_CHECK(t.dim() == rank, "flash_attention: ", name, " must be ", rank, "-D");
-    TORCH_CHECK(t.stride(-1) == 1, "flash_attention: ", name, " must be contiguous in the last dimension");
-    for (int i = 0; i < t.dim() - 1; ++i) {
-        TORCH_CHECK(t.stride(i) % 8 == 0 || t.size(i) == 1, "flash_attention: ", name,
-                    " strides must be multiples of 8 elements");
-    }
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "flash_attention: ", name,
-                " must be 16-byte aligned");
+}
+
+// The kernels load 16-byte vectors: the last dimension contiguous, every other stride (also of a dimension of size
+// 1: TMA descriptors take every stride) a multiple of 16 bytes and the base pointer 16-byte aligned. Anything else is
+// copied, as autograd's broadcast gradient of out.sum() (stride 0 everywhere) must be; clone rather than
+// .contiguous(), which keeps a misaligned view that torch already considers contiguous.
+at::Tensor kernel_operand(at::Tensor const& t) {
+    int64_t bytes = reinterpret_cast<uintptr_t>(t.data_ptr());
+    for (int i = 0; i < t.dim() - 1; ++i) { bytes |= t.stride(i) * int64_t(t.element_size()); }
+    if (t.stride(-1) != 1 || bytes % 16 != 0) { return t.clone(at::MemoryFormat::Contiguous); }
+    return t;
+}
+
+std::optional<at::Tensor> contiguous(std::optional<at::Tensor> const& t) {
+    return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+}
+
+// An output: uninitialized when the kernel writes all of it, else filled with `fill`.
+at::Tensor output(at::IntArrayRef shape, at::TensorOptions options, std::optional<double> fill) {
+    return fill.has_value() ? at::full(shape, *fill, options) : at::empty(shape, options);
 }
 
 // (batch, row, head) strides of an operand; a varlen operand has no batch dimension.
@@ -183,44 +196,58 @@ void run(char const* kind, int64_t tier, int64_t kernel_head_dim, at::Tensor con
     TORCH_CHECK(err == cudaSuccess, "flash_attention: kernel launch failed: ", cudaGetErrorString(err));
 }
 
-void fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor& out, at::Tensor& lse,
-         std::optional<at::Tensor> const& cu_seqlens_q, std::optional<at::Tensor> const& cu_seqlens_k,
-         std::optional<at::Tensor> const& seqused_q, std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
-         int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
-         std::optional<at::Tensor> const& alibi_slopes, int64_t kernel_head_dim, int64_t tier) {
-    c10::cuda::CUDAGuard guard(q.device());
+// (out, lse) of the forward. Rows past seqused_q are left unwritten by the kernel, so then out starts at 0 and
+// lse at -inf (fully masked).
+std::tuple<at::Tensor, at::Tensor> fwd(
+    at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
+    std::optional<at::Tensor> const& cu_seqlens_q, std::optional<at::Tensor> const& cu_seqlens_k,
+    std::optional<at::Tensor> const& seqused_q, std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
+    std::optional<at::Tensor> const& alibi_slopes, int64_t kernel_head_dim, int64_t tier) {
+    c10::cuda::CUDAGuard guard(q_in.device());
     SeqArgs const seqs{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k};
+    at::Tensor const q = kernel_operand(q_in), k = kernel_operand(k_in), v = kernel_operand(v_in);
+    std::optional<at::Tensor> const alibi = contiguous(alibi_slopes);  // alive until the launch
     flash::FwdParams p{};
-    set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, seqs);
-    check_operand(out, "out", q, seqs.rank());
-    TORCH_CHECK(out.sizes() == q.sizes(), "flash_attention: out must have q's shape");
-    check_lse(lse, "lse", p, q, seqs.varlen());
+    set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, alibi, seqs);
+    bool const prefill = seqused_q.has_value();
+    at::Tensor out = output(q.sizes(), q.options(), prefill ? std::optional<double>(0.0) : std::nullopt);
+    std::vector<int64_t> const lse_shape =
+        seqs.varlen() ? std::vector<int64_t>{p.h, p.sq} : std::vector<int64_t>{p.b, p.h, p.sq};
+    at::Tensor lse = output(lse_shape, q.options().dtype(at::kFloat),
+                            prefill ? std::optional<double>(-INFINITY) : std::nullopt);
     p.o = out.data_ptr();
     p.lse = lse.data_ptr<float>();
     Strides const os = strides_of(out, seqs.varlen());
     p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
     run("fwd", tier, kernel_head_dim, q, p, launch_hints(p, q, seqs));
+    return {out, lse};
 }
 
-void bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-         at::Tensor const& out, at::Tensor const& lse, std::optional<at::Tensor> const& dlse, at::Tensor& dq,
-         at::Tensor& dk, at::Tensor& dv, std::optional<at::Tensor> const& cu_seqlens_q,
-         std::optional<at::Tensor> const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_q,
-         std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
-         int64_t window_left, int64_t window_right, double softcap, std::optional<at::Tensor> const& alibi_slopes,
-         bool deterministic, int64_t kernel_head_dim, int64_t tier) {
-    c10::cuda::CUDAGuard guard(q.device());
+// (dq, dk, dv) of the backward. The kernel leaves dq past seqused_q and dk, dv past seqused_k unwritten: those
+// start at 0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
+    at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
+    at::Tensor const& out_in, at::Tensor const& lse_in, std::optional<at::Tensor> const& dlse_in,
+    std::optional<at::Tensor> const& cu_seqlens_q, std::optional<at::Tensor> const& cu_seqlens_k,
+    std::optional<at::Tensor> const& seqused_q, std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
+    std::optional<at::Tensor> const& alibi_slopes, bool deterministic, int64_t kernel_head_dim, int64_t tier) {
+    c10::cuda::CUDAGuard guard(q_in.device());
     SeqArgs const seqs{cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k};
     bool const varlen = seqs.varlen();
+    at::Tensor const q = kernel_operand(q_in), k = kernel_operand(k_in), v = kernel_operand(v_in);
+    at::Tensor const out = kernel_operand(out_in), dout = kernel_operand(dout_in), lse = lse_in.contiguous();
+    std::optional<at::Tensor> const dlse = contiguous(dlse_in), alibi = contiguous(alibi_slopes);
     flash::BwdParams p{};
-    set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, seqs);
-    for (auto const& [t, name] : {std::pair{&out, "out"}, {&dout, "dout"}, {&dq, "dq"}}) {
+    set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, alibi, seqs);
+    auto const zero_q = seqused_q.has_value() ? std::optional<double>(0.0) : std::nullopt;
+    auto const zero_k = seqused_k.has_value() ? std::optional<double>(0.0) : std::nullopt;
+    at::Tensor dq = output(q.sizes(), q.options(), zero_q);
+    at::Tensor dk = output(k.sizes(), k.options(), zero_k), dv = output(v.sizes(), v.options(), zero_k);
+    for (auto const& [t, name] : {std::pair{&out, "out"}, {&dout, "dout"}}) {
         check_operand(*t, name, q, seqs.rank());
         TORCH_CHECK(t->sizes() == q.sizes(), "flash_attention: ", name, " must have q's shape");
-    }
-    for (auto const& [t, name] : {std::pair{&dk, "dk"}, {&dv, "dv"}}) {
-        check_operand(*t, name, q, seqs.rank());
-        TORCH_CHECK(t->sizes() == k.sizes(), "flash_attention: ", name, " must have k's shape");
     }
     check_lse(lse, "lse", p, q, varlen);
     p.o = out.data_ptr();
@@ -241,9 +268,9 @@ void bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::T
     p.dq_batch_stride = dqs.batch, p.dq_row_stride = dqs.row, p.dq_head_stride = dqs.head;
     p.dk_batch_stride = dks.batch, p.dk_row_stride = dks.row, p.dk_head_stride = dks.head;
     p.dv_batch_stride = dvs.batch, p.dv_row_stride = dvs.row, p.dv_head_stride = dvs.head;
-
     p.deterministic = deterministic;
     run("bwd", tier, kernel_head_dim, q, p, launch_hints(p, q, seqs));
+    return {dq, dk, dv};
 }
 
 std::vector<std::tuple<int64_t, std::string, int64_t, std::string, std::string>> available_kernels() {
@@ -260,12 +287,11 @@ std::vector<std::tuple<int64_t, std::string, int64_t, std::string, std::string>>
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flash-attention-cute kernels";
     m.def("fwd", &fwd,
-          "Attention forward into preallocated out and lse: q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, "
-          "seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, "
-          "kernel_head_dim, tier");
+          "(out, lse) of attention: q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, "
+          "max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, kernel_head_dim, tier");
     m.def("bwd", &bwd,
-          "Attention backward into preallocated dq, dk, dv: dout, q, k, v, out, lse, dlse, dq, dk, dv, then fwd's "
-          "arguments from cu_seqlens_q to alibi_slopes, deterministic, kernel_head_dim, tier");
+          "(dq, dk, dv) of attention: dout, q, k, v, out, lse, dlse, then fwd's arguments from cu_seqlens_q to "
+          "alibi_slopes, deterministic, kernel_head_dim, tier");
     m.def("available_kernels", &available_kernels,
           "(tier, kind, kernel head dim, dtype in, dtype out) of every compiled kernel");
 }
