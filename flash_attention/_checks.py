@@ -26,6 +26,13 @@ def check_packed(t, name: str, count: int, layout: str, rank: int = 5) -> None:
 
 def _check_qkv(q, k, v, layouts) -> None:
     """Types, dtypes, ranks and head counts of q, k, v; layouts names each one's dims, as (q's, k/v's)."""
+    # The common case in one expression (this runs on every call); anything else takes the checks that name the fault.
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+        qs, ks = q.shape, k.shape
+        if (q.dtype in _DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and len(qs) == len(layouts[0])
+                and len(ks) == len(qs) and v.shape == ks and ks[-1] == qs[-1] and 1 <= qs[-1] <= MAX_HEAD_DIM
+                and ks[-2] >= 1 and qs[-2] % ks[-2] == 0 and qs[-2] >= 1):
+            return
     tensors = (("q", q), ("k", k), ("v", v))
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -80,6 +87,13 @@ def check_inputs(q, k, v, alibi_slopes, tier) -> None:
         raise ValueError(f"q and k/v must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     _check_alibi(alibi_slopes, q.shape[0], q.shape[2])
     _check_tier(tier)
+    _check_devices(q, k, v, alibi_slopes)
+
+
+def _check_devices(q, k, v, alibi_slopes) -> None:
+    device = q.device
+    if alibi_slopes is None and device.type == "cuda" and k.device == device and v.device == device:
+        return  # the common case, without building check_device's names
     check_device(_named_tensors(q, k, v, alibi_slopes))
 
 
@@ -124,7 +138,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
                    _max_seqlen(max_seqlen_k, "max_seqlen_k", k.shape[0]))
     _check_alibi(alibi_slopes, b, q.shape[1])
     _check_tier(tier)
-    check_device(_named_tensors(q, k, v, alibi_slopes))
+    _check_devices(q, k, v, alibi_slopes)
     return max_seqlens
 
 

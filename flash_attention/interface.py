@@ -62,15 +62,15 @@ _BATCHED = (None, None, None, None, 0, 0)
 def _attention(q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes, deterministic, tier):
     """The attention op on validated q, k, v, with the head dim zero-padded to a multiple of 8 and the padding sliced
     off the output; `sequences`: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k), or
-    _BATCHED. Returns (out, lse)."""
-    # The kernels read rows of the head dim as 16-byte vectors: a strided last dimension is copied, as flash-attn does.
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    _BATCHED. The scalars are Python values (_scalar_options). Returns (out, lse). Views the kernels cannot load (a
+    strided last dimension, say) are copied by the binding."""
     d = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = d ** -0.5  # the original head dim, not the padded one
-    out, lse = _ops.attention(pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), *sequences, float(softmax_scale),
-                              *window, float(softcap), alibi_slopes, bool(deterministic), tier)
-    return (out if out.shape[-1] == d else out[..., :d]), lse
+    if d % 8:
+        q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
+    out, lse = _ops.attention(q, k, v, *sequences, softmax_scale, *window, softcap, alibi_slopes, deterministic, tier)
+    return (out[..., :d] if d % 8 else out), lse
 
 
 def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, tier):

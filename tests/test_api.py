@@ -353,14 +353,13 @@ def test_window_size_integer_likes(stub_kernel, window):
 
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 def test_strided_last_dim_is_copied(stub_kernel, name):
-    """A last dimension that is not contiguous is copied before the kernel, as flash-attn does, not rejected."""
+    """A last dimension that is not contiguous is accepted, as flash-attn does (the binding copies it; the GPU tests
+    check that), not rejected."""
     q, k, v = make_qkv(sq=6, sk=9)
     strided = {"q": q, "k": k, "v": v}
     strided[name] = torch.cat([strided[name], strided[name]], dim=-1)[..., ::2]
     assert strided[name].stride(-1) == 2
     out = flash_attn_func(strided["q"], strided["k"], strided["v"], causal=True)
-    for call_args in stub_kernel:
-        assert all(call_args[n].stride(-1) == 1 for n in "qkv")
     expected = {n: t.contiguous() for n, t in strided.items()}
     assert torch.equal(out, flash_attn_func(expected["q"], expected["k"], expected["v"], causal=True))
 
@@ -676,7 +675,6 @@ def test_varlen_strided_last_dim_is_copied(stub_kernel, name):
     tensors = dict(zip("qkv", make_varlen()))
     tensors[name] = torch.cat([tensors[name], tensors[name]], dim=-1)[..., ::2]
     out = call_varlen(**tensors, causal=True)
-    assert all(stub_kernel[0][n].stride(-1) == 1 for n in "qkv")
     expected = {n: t.contiguous() for n, t in tensors.items()}
     assert torch.equal(out, call_varlen(**expected, causal=True))
 
