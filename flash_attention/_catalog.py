@@ -20,7 +20,8 @@ HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = HEAD_DIMS[-1]
 
 # dtype name -> (torch dtype attribute, C++ element type, flash::DType enumerator)
-DTYPES = {"fp16": ("float16", "cutlass::half_t", "kFloat16"), "bf16": ("bfloat16", "cutlass::bfloat16_t", "kBFloat16")}
+DTYPES = {"fp16": ("float16", "cutlass::half_t", "kFloat16"),
+          "bf16": ("bfloat16", "cutlass::bfloat16_t", "kBFloat16")}
 # (dtype in, dtype out) of the kernels built; FP8 inputs with 16-bit outputs would join here.
 DTYPE_PAIRS = (("fp16", "fp16"), ("bf16", "bf16"))
 
@@ -63,7 +64,8 @@ TIERS = {
                  {"fwd": Kind("FwdParams", "sm80/fwd_launch.h"), "bwd": Kind("BwdParams", "sm80/bwd_launch.h")},
                  ("sm80",)),
     # Its d 256 key blocks of 80 columns need CuTe's wgmma shapes with N not a power of two.
-    "sm90": Tier("sm90", 90, (90,), ((9, 0), (9, 0)), {"fwd": Kind("FwdParams", "sm90/fwd_launch.h", (64, 128, 256))},
+    "sm90": Tier("sm90", 90, (90,), ((9, 0), (9, 0)),
+                 {"fwd": Kind("FwdParams", "sm90/fwd_launch.h", (64, 128, 256))},
                  ("sm90",), "a", ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), fallback="sm80"),
 }
 TIER_BY_ID = {tier.id: tier for tier in TIERS.values()}

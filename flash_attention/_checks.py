@@ -38,7 +38,7 @@ def _check_qkv(q, k, v, layouts) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be torch.float16 or torch.bfloat16, got {t.dtype}")
+            raise TypeError(f"{name} must be {' or '.join(map(str, _DTYPES))}, got {t.dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     rank = len(layouts[0])

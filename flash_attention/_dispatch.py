@@ -93,7 +93,7 @@ def kernel_key(tier: str, kind: str, head_dim: int, dtype_name: str) -> KernelKe
 
 
 def routed_tier(available, tier: str, head_dim: int, dtype_name: str, kind: str, requested: bool) -> str:
-    """A tier that lacks a kernel (the SM90 tier: the backward, head dims other than 64/128/256) hands the call to its
+    """A tier that lacks a kernel (the SM90 tier: the backward, some head dims) hands the call to its
     fallback tier (the catalog's rule); so does one that was not built at all (e.g. FLASH_ATTN_CUDA_ARCHS=80) unless it
     was requested, which is left to check_kernel_available's error."""
     fallback = _catalog.TIERS[tier].fallback

@@ -159,17 +159,18 @@ fwd.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, 
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The ops' autograd formula, for eager calls (see the module docstring)."""
+    """The ops' autograd formula, for eager calls (see the module docstring). The arguments after q, k, v travel as
+    one tuple: apply's cost grows with its argument count, and none of them takes a gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *args):
+    def forward(ctx, q, k, v, args):
         out, lse = forward_impl(q, k, v, *args)
         _save(ctx, q, k, v, args, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return _gradients(ctx, grad_out, grad_lse, backward_impl)
+        return _gradients(ctx, grad_out, grad_lse, backward_impl)[:3] + (None,)
 
 
 def _eager(q, k, v) -> bool:
@@ -184,5 +185,5 @@ def attention(q, k, v, *args) -> Tuple[torch.Tensor, torch.Tensor]:
     if not _eager(q, k, v):
         return fwd(q, k, v, *args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, *args)
+        return _EagerAttention.apply(q, k, v, args)
     return forward_impl(q, k, v, *args)

@@ -30,6 +30,13 @@ int smem_budget(int device_optin) {
 
 char const* dtype_name(flash::DType t) { return t == flash::DType::kFloat16 ? "fp16" : "bf16"; }
 
+// The registry's dtype of a tensor the kernels take.
+flash::DType dtype_of(at::Tensor const& t) {
+    TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+                "flash_attention: q must be float16 or bfloat16");
+    return t.scalar_type() == at::kHalf ? flash::DType::kFloat16 : flash::DType::kBFloat16;
+}
+
 // The optional varlen arguments of both directions.
 struct SeqArgs {
     std::optional<at::Tensor> const& cu_seqlens_q;
@@ -101,8 +108,6 @@ int const* seq_tensor(std::optional<at::Tensor> const& t, char const* name, int6
 void set_attn_params(flash::AttnParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                      double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
                      std::optional<at::Tensor> const& alibi_slopes, SeqArgs const& seqs) {
-    auto const dtype = q.scalar_type();
-    TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "flash_attention: q must be float16 or bfloat16");
     bool const varlen = seqs.varlen();
     TORCH_CHECK(varlen == seqs.cu_seqlens_k.has_value(),
                 "flash_attention: cu_seqlens_q and cu_seqlens_k must be given together");
@@ -175,7 +180,7 @@ flash::LaunchHints launch_hints(flash::AttnParams const& p, at::Tensor const& q,
 template <class Params>
 void run(char const* kind, int64_t tier, int64_t kernel_head_dim, at::Tensor const& q, Params const& params,
          flash::LaunchHints const& hints) {
-    flash::DType const dt = q.scalar_type() == at::kHalf ? flash::DType::kFloat16 : flash::DType::kBFloat16;
+    flash::DType const dt = dtype_of(q);
     flash::KernelKey const key{int(tier), kind, int(kernel_head_dim), dt, dt};
     auto const* kernel = flash::KernelRegistry<Params>::find(key);
     TORCH_CHECK(kernel != nullptr, "flash_attention: no sm", tier, " ", kind, " kernel for head dim ", kernel_head_dim,

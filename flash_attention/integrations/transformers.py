@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention
+from flash_attention._dispatch import DTYPE_NAMES
 
 NAME = "fa_cute"
 MIN_TRANSFORMERS_VERSION = "4.53.0"
-_HALF = (torch.float16, torch.bfloat16)
+_HALF = tuple(DTYPE_NAMES)  # the dtypes the kernels take
 
 
 def register(name: str = NAME) -> str:
