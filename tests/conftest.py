@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from flash_attention import _dispatch
+from cpu_helpers import varlen_ref
+from flash_attention import _checks, _dispatch, _ops
+from reference import attention_ref
 
 _NO_GPU_SKIPS = pytest.StashKey[int]()
 
@@ -40,3 +42,77 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     skipped = config.stash.get(_NO_GPU_SKIPS, 0)
     if skipped:
         terminalreporter.write_line(f"no CUDA GPU: the {skipped} tests marked cuda were skipped", yellow=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stand-ins for the kernels and the extension, for the CPU tests
+
+@pytest.fixture
+def stub_kernel(monkeypatch):
+    """Let CPU tensors through and run the reference in place of the kernels' forward (batched and varlen); returns
+    the list of calls it received."""
+    calls = []
+
+    def fake_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+        calls.append(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                          seqused_k=seqused_k, max_seqlen=(max_seqlen_q, max_seqlen_k), softmax_scale=softmax_scale,
+                          window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+                          deterministic=deterministic, tier=tier))
+        if cu_seqlens_q is None:
+            out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
+        else:
+            out, lse = varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                                  window_size=(window_left, window_right), softcap=softcap,
+                                  softmax_scale=softmax_scale)
+        return out.to(q.dtype), lse
+
+    monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
+    monkeypatch.setattr(_ops, "forward_impl", fake_forward)
+    return calls
+
+
+@pytest.fixture
+def no_extension(monkeypatch):
+    """The extension fails to import, as in a build without CUDA: any kernel launch raises."""
+    monkeypatch.setattr(_dispatch, "_extension", None)
+    monkeypatch.setattr(_dispatch, "_EXTENSION_NAME", "flash_attention._no_such_extension")
+
+
+@pytest.fixture(params=["eager", "op"])
+def standin_ops(request, monkeypatch):
+    """Let CPU tensors through and put CPU stand-ins in place of the kernels, so that the autograd formula and the
+    fakes run, on either path: eagerly, or through the custom ops as torch.compile would. The forwards are the
+    reference, the backwards return 2 * dout, 3 * k and 4 * v, distinct for each input. Returns the calls they
+    received, by kind: fwd and bwd for batched calls, varlen_fwd and varlen_bwd for varlen ones."""
+    calls = {"fwd": [], "bwd": [], "varlen_fwd": [], "varlen_bwd": []}
+
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+        if cu_seqlens_q is None:
+            out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
+        else:
+            out, lse = varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                                  window_size=(window_left, window_right), softcap=softcap,
+                                  softmax_scale=softmax_scale)
+        out = out.to(q.dtype, memory_format=torch.contiguous_format)  # laid out as the ops' fakes say
+        calls["fwd" if cu_seqlens_q is None else "varlen_fwd"].append(dict(q=q, k=k, v=v, out=out, lse=lse))
+        return out, lse
+
+    def backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                 max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+        calls["bwd" if cu_seqlens_q is None else "varlen_bwd"].append(
+            dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, cu_seqlens_q=cu_seqlens_q,
+                 cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                 max_seqlen=(max_seqlen_q, max_seqlen_k), softmax_scale=softmax_scale,
+                 window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+                 deterministic=deterministic, tier=tier))
+        return tuple(g.contiguous() for g in (2 * dout, 3 * k, 4 * v))
+
+    monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
+    monkeypatch.setattr(_ops, "forward_impl", forward)
+    monkeypatch.setattr(_ops, "backward_impl", backward)
+    if request.param == "op":
+        monkeypatch.setattr(_ops, "_eager", lambda q, k, v: False)
+    calls["path"] = request.param
+    return calls

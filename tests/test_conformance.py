@@ -1,13 +1,13 @@
 """Calls that flash-attn 2 and FlashAttention-4 accept, and the errors for bad input, on CPU with the kernels replaced
-by the reference (test_api's fixtures)."""
+by the reference (conftest.py's stub_kernel)."""
 
 import numpy as np
 import pytest
 import torch
 
+from cpu_helpers import CU_K, CU_Q, call, call_varlen, int32, make_qkv, make_varlen, rand
 from flash_attention import (cute, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                              flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
-from test_api import CU_K, CU_Q, call, call_varlen, int32, make_qkv, make_varlen, rand, stub_kernel  # noqa: F401
 
 pytest_plugins = ["pytester"]
 
@@ -60,7 +60,7 @@ def test_window_size_not_a_pair(window):
     ((-9, 3), True, (-1, 0)),
 ], ids=lambda x: str(x).replace(" ", ""))
 def test_negative_window_bound_is_unbounded(stub_kernel, window, causal, expected):
-    """flash-attn 2 takes any negative bound as unbounded (FlashAttention-4's rules stay: test_api)."""
+    """flash-attn 2 takes any negative bound as unbounded (FlashAttention-4's rules stay: test_cute_api)."""
     q, k, v = make_qkv(sq=6, sk=9)
     flash_attn_func(q, k, v, causal=causal, window_size=window)
     call_varlen(causal=causal, window_size=window)

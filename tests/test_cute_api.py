@@ -1,0 +1,246 @@
+"""flash_attention.cute, FlashAttention-4's API, on CPU with the kernel replaced by the reference (stub_kernel) or
+stand-ins under the custom ops (standin_ops): signatures as FA4's, window_size in FA4's spelling, (out, lse) as FA4
+returns it, unsupported features rejected unless given no-op values, and the varlen function's batched sides."""
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_helpers import CU_K, CU_Q, int32, leaves, make_qkv, make_varlen, rand, varlen_ref
+from flash_attention import cute, flash_attn_func, flash_attn_varlen_func
+from helpers import fp16
+from reference import attention_ref
+
+
+# FA4's signatures (flash_attn/cute/interface.py, fa4-v4.0.0.beta27): names in order, with their defaults.
+FA4_FUNC = [("q", None), ("k", None), ("v", None), ("qv", None), ("gather_kv_indices", None),
+            ("softmax_scale", None), ("causal", False), ("window_size", (None, None)), ("learnable_sink", None),
+            ("softcap", 0.0), ("num_splits", 1), ("pack_gqa", None), ("deterministic", False), ("score_mod", None),
+            ("score_mod_bwd", None), ("mask_mod", None), ("aux_tensors", None), ("aux_scalars", None),
+            ("block_sparse_tensors", None), ("block_sparse_tensors_bwd", None), ("return_lse", False)]
+FA4_VARLEN = [("q", None), ("k", None), ("v", None), ("qv", None), ("cu_seqlens_q", None), ("cu_seqlens_k", None),
+              ("max_seqlen_q", None), ("max_seqlen_k", None), ("min_seqlen_k", None), ("seqused_q", None),
+              ("seqused_k", None), ("gather_kv_indices", None), ("page_table", None), ("softmax_scale", None),
+              ("causal", False), ("window_size", (None, None)), ("learnable_sink", None), ("softcap", 0.0),
+              ("num_splits", 1), ("pack_gqa", None), ("deterministic", False), ("score_mod", None),
+              ("score_mod_bwd", None), ("mask_mod", None), ("block_sparse_tensors", None), ("aux_tensors", None),
+              ("aux_scalars", None), ("return_lse", False), ("scheduler_metadata", None),
+              ("seqlen_k_per_split", None), ("disable_scheduler_metadata", False)]
+
+
+@pytest.mark.parametrize("fn, expected", [(cute.flash_attn_func, FA4_FUNC), (cute.flash_attn_varlen_func, FA4_VARLEN)],
+                         ids=["func", "varlen"])
+def test_cute_signature_is_fa4s(fn, expected):
+    params = list(inspect.signature(fn).parameters.values())
+    positional = [(p.name, None if p.default is p.empty else p.default) for p in params
+                  if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == expected
+    others = [(p.name, p.kind, p.default) for p in params if p.kind is not p.POSITIONAL_OR_KEYWORD]
+    keyword_only = inspect.Parameter.KEYWORD_ONLY
+    assert others == [("dropout_p", keyword_only, 0.0), ("tier", keyword_only, None)]
+
+
+@pytest.mark.parametrize(
+    "window, causal, expected",
+    [
+        ((None, None), False, (-1, -1)),
+        ((None, None), True, (-1, 0)),
+        ((None, 0), False, (-1, 0)),  # FA4's other spelling of causal
+        ((3, None), False, (3, -1)),
+        ((3, 2), False, (3, 2)),
+        ((3, 2), True, (3, 0)),
+        ((None, 3), True, (-1, 0)),
+        ((0, 0), False, (0, 0)),
+        ((-1, -1), False, (-1, -1)),  # flash-attn 2's "no window": FA4 drops a pair that sums below 0
+        ((-1, -1), True, (-1, 0)),
+        ((-1, 0), False, (-1, -1)),  # sums below 0 too: no window in FA4 (flash-attn 2 would make it causal)
+        ((-5, 3), True, (-1, 0)),  # causal makes it (-5, 0): dropped, causal stays
+        ((np.int64(2), torch.tensor(1)), False, (2, 1)),
+        ([4, None], False, (4, -1)),
+    ],
+    ids=lambda x: str(x).replace(" ", ""),
+)
+def test_cute_window(stub_kernel, window, causal, expected):
+    q, k, v = make_qkv(sq=6, sk=9)  # normalization drops left >= 8 and right >= 5: none of these bounds
+    out, lse = cute.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
+    (call_args,) = stub_kernel
+    assert call_args["window"] == expected
+    ref_out, ref_lse = attention_ref(q, k, v, window_size=expected)
+    torch.testing.assert_close(out, ref_out.to(fp16))
+    torch.testing.assert_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("window, causal, match", [
+    ((-3, 5), False, r"window_size\[0\] = -3 is not supported: a negative bound"),
+    ((None, -1), False, r"window_size\[1\] = -1 is not supported"),
+    ((2, -1), False, r"window_size\[1\] = -1 is not supported"),
+], ids=["left-3", "right-1", "2,-1"])
+def test_cute_negative_window_bound(stub_kernel, window, causal, match):
+    for call in (lambda: cute.flash_attn_func(*make_qkv(), causal=causal, window_size=window),
+                 lambda: cute.flash_attn_varlen_func(*make_varlen(), cu_seqlens_q=int32(*CU_Q),
+                                                     cu_seqlens_k=int32(*CU_K), window_size=window)):
+        with pytest.raises(NotImplementedError, match=match):
+            call()
+    assert not stub_kernel
+
+
+@pytest.mark.parametrize("window", [(1.5, None), 4, (None,), (None, None, None), (True, None)], ids=str)
+def test_cute_window_not_a_pair(window):
+    with pytest.raises(ValueError, match=r"window_size must be a pair of integers or None \(None = unbounded\)"):
+        cute.flash_attn_func(*make_qkv(), window_size=window)
+
+
+def test_cute_returns_out_and_lse(stub_kernel):
+    """(out, lse) as FA4 returns it: lse (batch, nheads, seqlen_q) when asked for, None otherwise; and, when an
+    input requires grad (FA4 computes lse for the backward then), lse without a gradient."""
+    q, k, v = make_qkv()
+    out, lse = cute.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=True)) and lse is None
+    out, lse = cute.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    expected_out, expected_lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse) and lse.shape == (2, 4, 5)
+    k.requires_grad_()
+    _, lse = cute.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(lse, expected_lse) and not lse.requires_grad
+    _, lse = cute.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert lse.requires_grad
+
+
+def test_cute_lse_gradient_only_when_returned(standin_ops):
+    q, k, v = leaves(*make_qkv())
+    out, lse = cute.flash_attn_func(q, k, v, return_lse=True)
+    torch.autograd.grad((out, lse), (q, k, v), (torch.randn_like(out), torch.ones_like(lse)))
+    out, lse = cute.flash_attn_func(q, k, v)
+    assert not lse.requires_grad
+    out.sum().backward()
+    with_lse, without_lse = standin_ops["bwd"]
+    assert torch.equal(with_lse["dlse"], torch.ones(2, 4, 5)) and without_lse["dlse"] is None
+
+
+UNSUPPORTED = {"qv": rand(2, 5, 4, 16), "gather_kv_indices": torch.zeros(2, 5, 3, dtype=torch.int32),
+               "learnable_sink": torch.zeros(4), "score_mod": lambda *a: a[0], "score_mod_bwd": lambda *a: a[0],
+               "mask_mod": lambda *a: True, "aux_tensors": [torch.zeros(1)], "aux_scalars": (1.0,),
+               "block_sparse_tensors": object(), "block_sparse_tensors_bwd": object(),
+               "page_table": torch.zeros(3, 1, dtype=torch.int32)}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_cute_unsupported_feature(stub_kernel, name):
+    calls = {"func": lambda **kw: cute.flash_attn_func(*make_qkv(), **kw),
+             "varlen": lambda **kw: cute.flash_attn_varlen_func(*make_varlen(), cu_seqlens_q=int32(*CU_Q),
+                                                                cu_seqlens_k=int32(*CU_K), **kw)}
+    takes = [fn for fn, params in (("func", FA4_FUNC), ("varlen", FA4_VARLEN)) if name in dict(params)]
+    assert takes
+    for fn in takes:
+        with pytest.raises(NotImplementedError, match=rf"flash_attention\.cute: {name} is not supported .* None"):
+            calls[fn](**{name: UNSUPPORTED[name]})
+    assert not stub_kernel
+
+
+def test_cute_accepts_no_op_values(stub_kernel):
+    """FA4's default-like values of the unsupported features, and its performance hints, change nothing."""
+    q, k, v = make_qkv()
+    expected, _ = cute.flash_attn_func(q, k, v, causal=True)
+    out, _ = cute.flash_attn_func(q, k, v, None, None, None, True, (None, None), None, 0.0, 4, True, False, None,
+                                  None, None, [], (), None, None, False)
+    assert torch.equal(out, expected)
+    qp, kp, vp = make_varlen()
+    cu = dict(cu_seqlens_q=int32(*CU_Q), cu_seqlens_k=int32(*CU_K))
+    expected, _ = cute.flash_attn_varlen_func(qp, kp, vp, **cu)
+    out, _ = cute.flash_attn_varlen_func(qp, kp, vp, min_seqlen_k=1, num_splits=3, pack_gqa=False,
+                                         scheduler_metadata=object(), seqlen_k_per_split=64,
+                                         disable_scheduler_metadata=True, aux_tensors=[], **cu)
+    assert torch.equal(out, expected)
+
+
+def test_cute_positional_arguments(stub_kernel):
+    q, k, v = make_qkv()
+    cute.flash_attn_func(q, k, v, None, None, 0.5, True, (None, None), None, 2.0, 1, None, True)
+    (call_args,) = stub_kernel
+    assert call_args["softmax_scale"] == 0.5 and call_args["window"] == (-1, 0) and call_args["deterministic"] is True
+    qp, kp, vp = make_varlen()
+    cute.flash_attn_varlen_func(qp, kp, vp, None, int32(*CU_Q), int32(*CU_K), 2, 3, None, int32(1, 0, 2), None,
+                                None, None, 0.5, True)
+    call_args = stub_kernel[1]
+    assert call_args["max_seqlen"] == (2, 3) and torch.equal(call_args["seqused_q"], int32(1, 0, 2))
+    assert call_args["softmax_scale"] == 0.5 and call_args["window"] == (-1, 0)
+
+
+def test_cute_varlen_matches_flash_attn_varlen_func(stub_kernel):
+    q, k, v = make_varlen()
+    cu_q, cu_k, used_k = int32(*CU_Q), int32(*CU_K), int32(3, 0, 2)
+    out, lse = cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k,
+                                           causal=True, return_lse=True)
+    expected_out, expected_lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, causal=True, seqused_k=used_k,
+                                                           return_attn_probs=True)
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse) and lse.shape == (4, 5)
+    assert stub_kernel[0]["max_seqlen"] == (5, 7)  # no max_seqlen given: the totals, an upper bound
+
+
+def test_cute_varlen_without_sequences_is_batched(stub_kernel):
+    q, k, v = make_qkv()
+    out, lse = cute.flash_attn_varlen_func(q, k, v, causal=True, return_lse=True)
+    expected_out, expected_lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    assert all(call["cu_seqlens_q"] is None for call in stub_kernel)
+
+
+@pytest.mark.parametrize("layout", ["q-batched", "k-batched", "both-batched"])
+def test_cute_varlen_batched_side(stub_kernel, layout):
+    """As FA4 allows, a side without cu_seqlens is batched, (batch, seqlen, ...): it runs as batch sequences of
+    seqlen rows, and a batched q gets out (batch, seqlen_q, ...) and lse (batch, nheads, seqlen_q) back."""
+    qb, kb, vb = make_qkv(b=3, sq=2, sk=3)
+    qp, kp, vp = make_varlen()
+    batched_q, batched_k = layout in ("q-batched", "both-batched"), layout in ("k-batched", "both-batched")
+    q = qb if batched_q else qp
+    k, v = (kb, vb) if batched_k else (kp, vp)
+    cu_q = None if batched_q else int32(*CU_Q)
+    cu_k = None if batched_k else int32(*CU_K)
+    used_q, used_k = int32(1, 0, 2), int32(3, 1, 2)
+    out, lse = cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
+                                           seqused_k=used_k, causal=True, return_lse=True)
+    (call_args,) = stub_kernel
+    expected_cu_q = int32(0, 2, 4, 6) if batched_q else int32(*CU_Q)
+    expected_cu_k = int32(0, 3, 6, 9) if batched_k else int32(*CU_K)
+    assert torch.equal(call_args["cu_seqlens_q"], expected_cu_q)
+    assert torch.equal(call_args["cu_seqlens_k"], expected_cu_k)
+    assert call_args["max_seqlen"] == (2 if batched_q else 5, 3 if batched_k else 7)
+    flat = [x.flatten(0, 1) if x.dim() == 4 else x for x in (q, k, v)]
+    ref_out, ref_lse = varlen_ref(*flat, expected_cu_q, expected_cu_k, used_q, used_k, causal=True)
+    if batched_q:
+        ref_out, ref_lse = ref_out.view(3, 2, 4, 16), ref_lse.view(4, 3, 2).transpose(0, 1)
+    assert out.shape == q.shape and lse.shape == ((3, 4, 2) if batched_q else (4, 5))
+    torch.testing.assert_close(out, ref_out.to(fp16))
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_cute_varlen_batched_side_errors(stub_kernel):
+    qb, kb, vb = make_qkv(b=2, sq=2, sk=3)
+    with pytest.raises(ValueError, match=r"q and k must hold the same number of sequences, got q\.shape\[0\] = 2 and "
+                                         r"len\(cu_seqlens_k\) - 1 = 3"):
+        cute.flash_attn_varlen_func(qb, *make_varlen()[1:], cu_seqlens_k=int32(*CU_K))
+    with pytest.raises(ValueError, match=r"q and k must hold the same number of sequences, got q\.shape\[0\] = 2 and "
+                                         r"k\.shape\[0\] = 3"):
+        cute.flash_attn_varlen_func(qb, *make_qkv(b=3)[1:], seqused_q=int32(1, 1))
+    with pytest.raises(ValueError, match=r"q must have rank 4, \(batch, seqlen, nheads, head_dim\), when "
+                                         r"cu_seqlens_q is None, got shape \(5, 4, 16\)"):
+        cute.flash_attn_varlen_func(make_varlen()[0], kb, vb, seqused_k=int32(1, 1))
+    with pytest.raises(ValueError, match=r"v must have rank 4, .* when cu_seqlens_k is None"):
+        cute.flash_attn_varlen_func(qb, kb, vb[0], seqused_k=int32(1, 1))
+    assert not stub_kernel
+
+
+def test_cute_varlen_grads_of_batched_q(standin_ops):
+    """The flattening of a batched side stays on the autograd graph."""
+    q, k, v = leaves(*make_qkv(b=2, sq=3, sk=4))
+    out, lse = cute.flash_attn_varlen_func(q, k, v, seqused_k=int32(4, 2), return_lse=True)
+    dout = torch.randn_like(out)
+    torch.autograd.grad((out, lse), (q, k, v), (dout, torch.ones_like(lse)))
+    q.grad, k.grad, v.grad = None, None, None
+    out, _ = cute.flash_attn_varlen_func(q, k, v, seqused_k=int32(4, 2))
+    out.backward(dout)
+    first, second = standin_ops["varlen_bwd"]
+    assert torch.equal(first["dlse"], torch.ones(4, 6)) and second["dlse"] is None
+    assert torch.equal(q.grad, 2 * dout) and torch.equal(k.grad, 3 * k) and torch.equal(v.grad, 4 * v)

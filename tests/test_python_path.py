@@ -1,0 +1,356 @@
+"""The whole Python path on CPU with the kernel replaced by the reference (stub_kernel), batched and varlen: the
+preparation of the kernel's inputs (head dim padded to a multiple of 8, window normalized against the lengths), the
+arguments that reach the kernel, packed inputs passed as views, the return convention, empty inputs that need no
+kernel, and torch.compile tracing the forward path in one graph."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_helpers import CU_K, CU_Q, call_varlen, int32, leaves, make_qkv, make_varlen, rand, varlen_ref
+from flash_attention import (_checks, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                             flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+from flash_attention.interface import normalize_window, pad_head_dim
+from helpers import bf16, fp16
+from reference import attention_mask, attention_ref
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Preparation of the kernel's inputs
+
+@pytest.mark.parametrize("d", [1, 13, 59, 111, 250])
+def test_pad_head_dim(d):
+    x = rand(2, 3, 4, d)
+    padded = pad_head_dim(x)
+    assert padded.shape == (2, 3, 4, -(-d // 8) * 8)
+    assert torch.equal(padded[..., :d], x)
+    assert not padded[..., d:].any()
+
+
+@pytest.mark.parametrize("d", [8, 64, 256])
+def test_pad_head_dim_noop(d):
+    x = rand(2, 3, 4, d)
+    assert pad_head_dim(x) is x
+
+
+@pytest.mark.parametrize(
+    "window, causal, sq, sk, expected",
+    [
+        ((-1, -1), False, 10, 10, (-1, -1)),
+        ((-1, -1), True, 10, 10, (-1, 0)),
+        ((-1, -1), True, 1, 100, (-1, -1)),  # a single query row sees every key even when causal
+        ((5, 3), False, 10, 10, (5, 3)),
+        ((9, 9), False, 10, 10, (-1, -1)),
+        ((8, 8), False, 10, 10, (8, 8)),
+        ((3, 50), False, 100, 20, (3, 50)),  # sq > sk: a right bound >= sk still excludes keys of early rows
+        ((19, 7), True, 5, 20, (-1, 0)),
+        ((4, 7), True, 5, 20, (4, 0)),
+    ],
+    ids=lambda x: str(x).replace(" ", ""),
+)
+def test_normalize_window(window, causal, sq, sk, expected):
+    assert normalize_window(window, causal, sq, sk) == expected
+
+
+def test_normalize_window_keeps_mask():
+    sizes, bounds = (1, 2, 3, 5, 8), (-1, 0, 1, 2, 4, 7, 9)
+    for sq, sk, left, right, causal in itertools.product(sizes, sizes, bounds, bounds, (False, True)):
+        normalized = normalize_window((left, right), causal, sq, sk)
+        assert torch.equal(
+            attention_mask(sq, sk, causal, (left, right)), attention_mask(sq, sk, False, normalized)
+        ), (sq, sk, left, right, causal)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The batched functions
+
+@pytest.mark.parametrize("d", [13, 40, 59, 111])
+def test_padded_head_dim_matches_reference(stub_kernel, d):
+    q, k, v = make_qkv(sq=9, sk=11, d=d, dtype=bf16)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, softcap=3.0, return_attn_probs=True)
+    (call_args,) = stub_kernel
+    assert call_args["q"].shape[-1] == call_args["k"].shape[-1] == call_args["v"].shape[-1] == -(-d // 8) * 8
+    assert call_args["softmax_scale"] == d ** -0.5  # from the original head dim
+    ref_out, ref_lse = attention_ref(q, k, v, causal=True, softcap=3.0)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, ref_out.to(bf16))
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_arguments_reach_the_kernel(stub_kernel):
+    q, k, v = make_qkv(sq=6, sk=9)
+    flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, window_size=(2, -1), deterministic=True, tier="sm80")
+    flash_attn_func(q, k, v, window_size=(100, 1))
+    first, second = stub_kernel
+    assert first["softmax_scale"] == 0.3 and first["window"] == (2, 0) and first["tier"] == "sm80"
+    assert first["deterministic"] is True and second["deterministic"] is False
+    assert first["q"] is q  # head dim 16 needs no padding and no copy
+    assert second["window"] == (-1, 1) and second["tier"] is None
+
+
+@pytest.mark.parametrize("window", [(np.int64(3), np.int32(0)), (torch.tensor(3), torch.tensor(0, dtype=torch.int32)),
+                                    [3, 0]], ids=["numpy", "tensor", "list"])
+def test_window_size_integer_likes(stub_kernel, window):
+    """window_size takes what flash-attn takes: any pair of integer-likes, passed on as Python ints."""
+    q, k, v = make_qkv(sq=6, sk=9)
+    out = flash_attn_func(q, k, v, window_size=window)
+    (call_args,) = stub_kernel
+    assert call_args["window"] == (3, 0) and all(type(w) is int for w in call_args["window"])
+    assert torch.equal(out, flash_attn_func(q, k, v, window_size=(3, 0)))
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_strided_last_dim_is_copied(stub_kernel, name):
+    """A last dimension that is not contiguous is accepted, as flash-attn does (the binding copies it; the GPU tests
+    check that), not rejected."""
+    q, k, v = make_qkv(sq=6, sk=9)
+    strided = {"q": q, "k": k, "v": v}
+    strided[name] = torch.cat([strided[name], strided[name]], dim=-1)[..., ::2]
+    assert strided[name].stride(-1) == 2
+    out = flash_attn_func(strided["q"], strided["k"], strided["v"], causal=True)
+    expected = {n: t.contiguous() for n, t in strided.items()}
+    assert torch.equal(out, flash_attn_func(expected["q"], expected["k"], expected["v"], causal=True))
+
+
+def test_packed_inputs_are_views(stub_kernel):
+    qkv = rand(2, 5, 3, 4, 16)
+    out = flash_attn_qkvpacked_func(qkv, causal=True)
+    q, kv = rand(2, 5, 4, 16), rand(2, 7, 2, 2, 16)
+    out_kv = flash_attn_kvpacked_func(q, kv)
+    packed, kvpacked = stub_kernel
+    for name in "qkv":
+        assert packed[name].untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    for name in "kv":
+        assert kvpacked[name].untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
+    assert torch.equal(out, flash_attn_func(*qkv.unbind(2), causal=True))
+    assert torch.equal(out_kv, flash_attn_func(q, *kv.unbind(2)))
+
+
+def test_return_convention(stub_kernel):
+    q, k, v = make_qkv(b=2, sq=5, h=4)
+    out = flash_attn_func(q, k, v)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype
+    result = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert isinstance(result, tuple) and len(result) == 3 and result[2] is None
+    assert torch.equal(result[0], out)
+    assert result[1].shape == (2, 4, 5) and result[1].dtype == torch.float32
+    for packed in (flash_attn_qkvpacked_func(rand(2, 5, 3, 4, 16), return_attn_probs=True),
+                   flash_attn_kvpacked_func(q, rand(2, 7, 2, 2, 16), return_attn_probs=True)):
+        assert len(packed) == 3 and packed[2] is None and packed[1].shape == (2, 4, 5)
+
+
+@pytest.mark.parametrize(
+    "b, sq, sk", [(2, 0, 7), (2, 5, 0), (0, 5, 7), (2, 0, 0)], ids=["sq0", "sk0", "b0", "sq0-sk0"]
+)
+def test_empty_sequences(no_extension, monkeypatch, b, sq, sk):
+    """No query, key or batch: out 0, lse -inf and zero gradients, all without a kernel."""
+    monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
+    q, k, v = leaves(*make_qkv(b=b, sq=sq, sk=sk, d=59))
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and not out.any()
+    assert lse.shape == (b, 4, sq) and lse.dtype == torch.float32
+    assert (lse == float("-inf")).all()
+    out.backward(torch.randn_like(out))
+    for x in (q, k, v):
+        assert x.grad.shape == x.shape and x.grad.dtype == x.dtype and not x.grad.any()
+
+
+def test_compile_traces_one_graph(monkeypatch):
+    """torch.compile(fullgraph=True) traces padding, the custom op (through its fake) and slicing in one graph."""
+    monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
+
+    class Traced(Exception):
+        pass
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*args):
+            raise Traced  # the real op needs a GPU; tracing is what is under test
+
+        return run
+
+    def fn(q, k, v, slopes):
+        return flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)[:2]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    with pytest.raises(Traced):
+        compiled(*make_qkv(d=59), torch.rand(4))
+    (gm,) = graphs
+    targets = [str(node.target) for node in gm.graph.nodes]
+    assert targets.count("flash_attention.fwd.default") == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The varlen functions, with the kernel replaced by a per-sequence reference
+
+@pytest.mark.parametrize(
+    "window, causal, expected",
+    [
+        ((-1, -1), False, (-1, -1)),
+        ((-1, -1), True, (-1, 0)),
+        ((5, 3), False, (5, 3)),  # no sequence is longer than 3 queries or keys, but max_seqlen is not trusted
+        ((6, 4), False, (-1, -1)),  # >= total_k - 1 = 6 and total_q - 1 = 4
+        ((5, 4), True, (5, 0)),
+        ((100, 2), True, (-1, 0)),
+    ],
+    ids=lambda x: str(x).replace(" ", ""),
+)
+def test_varlen_window_normalized_by_totals(stub_kernel, window, causal, expected):
+    call_varlen(window_size=window, causal=causal)
+    (call_args,) = stub_kernel
+    assert call_args["window"] == expected
+
+
+def test_varlen_normalize_window_keeps_every_sequence_mask():
+    """A bound dropped against the totals is one that no sequence, of any lengths that fit, needs."""
+    sizes, bounds = (0, 1, 2, 3, 5), (-1, 0, 1, 2, 4, 6)
+    for total_q, total_k, left, right, causal in itertools.product(sizes, sizes, bounds, bounds, (False, True)):
+        normalized = normalize_window((left, right), causal, total_q, total_k)
+        for sq, sk in itertools.product(range(total_q + 1), range(total_k + 1)):
+            assert torch.equal(
+                attention_mask(sq, sk, causal, (left, right)), attention_mask(sq, sk, False, normalized)
+            ), (total_q, total_k, sq, sk, left, right, causal)
+
+
+@pytest.mark.parametrize("d", [13, 40, 59])
+def test_varlen_padded_head_dim_matches_reference(stub_kernel, d):
+    q, k, v = make_varlen(d=d, dtype=bf16)
+    cu_q, cu_k, slopes = int32(*CU_Q), int32(*CU_K), torch.rand(3, 4)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softcap=3.0, alibi_slopes=slopes,
+                                         return_attn_probs=True)
+    (call_args,) = stub_kernel
+    assert call_args["q"].shape[-1] == call_args["k"].shape[-1] == call_args["v"].shape[-1] == -(-d // 8) * 8
+    assert call_args["softmax_scale"] == d ** -0.5  # from the original head dim
+    ref_out, ref_lse = varlen_ref(q, k, v, cu_q, cu_k, alibi_slopes=slopes, causal=True, softcap=3.0)
+    assert out.shape == q.shape and lse.shape == (4, 5)
+    torch.testing.assert_close(out, ref_out.to(bf16))
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_varlen_arguments_reach_the_op(stub_kernel):
+    q, k, v = make_varlen()
+    cu_q, cu_k, used_q, used_k = int32(*CU_Q), int32(*CU_K), int32(1, 0, 3), int32(2, 1, 0)
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, np.int64(3), 4, softmax_scale=0.3, window_size=(2, 1),
+                           deterministic=True, seqused_q=used_q, seqused_k=used_k, tier="sm80")
+    (call_args,) = stub_kernel
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k),
+                    ("seqused_q", used_q), ("seqused_k", used_k)):
+        assert call_args[name] is t, name  # no padding needed, nothing copied
+    assert call_args["max_seqlen"] == (3, 4) and all(type(n) is int for n in call_args["max_seqlen"])
+    assert call_args["softmax_scale"] == 0.3 and call_args["window"] == (2, 1)
+    assert call_args["deterministic"] is True and call_args["tier"] == "sm80"
+
+
+def test_varlen_seqused_matches_reference(stub_kernel):
+    q, k, v = make_varlen()
+    cu_q, cu_k, used_q, used_k = int32(*CU_Q), int32(*CU_K), int32(1, 0, 3), int32(2, 1, 0)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, seqused_q=used_q, seqused_k=used_k,
+                                         return_attn_probs=True)
+    ref_out, ref_lse = varlen_ref(q, k, v, cu_q, cu_k, used_q, used_k)
+    torch.testing.assert_close(out, ref_out.to(fp16))
+    torch.testing.assert_close(lse, ref_lse)
+    assert not out[1].any() and (lse[:, 1] == float("-inf")).all()  # past seqused_q of the first sequence
+    assert not out[2:].any()  # the third sequence uses no key
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_varlen_strided_last_dim_is_copied(stub_kernel, name):
+    tensors = dict(zip("qkv", make_varlen()))
+    tensors[name] = torch.cat([tensors[name], tensors[name]], dim=-1)[..., ::2]
+    out = call_varlen(**tensors, causal=True)
+    expected = {n: t.contiguous() for n, t in tensors.items()}
+    assert torch.equal(out, call_varlen(**expected, causal=True))
+
+
+def test_varlen_packed_inputs_are_views(stub_kernel):
+    qkv, cu = rand(5, 3, 4, 16), int32(0, 2, 5)
+    out = flash_attn_varlen_qkvpacked_func(qkv, cu, 3, causal=True, seqused=int32(1, 3))
+    q, kv = rand(5, 4, 16), rand(7, 2, 2, 16)
+    out_kv = flash_attn_varlen_kvpacked_func(q, kv, int32(*CU_Q), int32(*CU_K), 3, 3, seqused_k=int32(1, 1, 1))
+    packed, kvpacked = stub_kernel[:2]
+    for name in "qkv":
+        assert packed[name].untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    for name in "kv":
+        assert kvpacked[name].untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
+    assert packed["cu_seqlens_q"] is packed["cu_seqlens_k"] is cu and packed["max_seqlen"] == (3, 3)
+    assert torch.equal(packed["seqused_q"], int32(1, 3)) and packed["seqused_k"] is packed["seqused_q"]
+    assert kvpacked["seqused_q"] is None and torch.equal(kvpacked["seqused_k"], int32(1, 1, 1))
+    assert torch.equal(out, flash_attn_varlen_func(*qkv.unbind(1), cu, cu, 3, 3, causal=True, seqused_q=int32(1, 3),
+                                                   seqused_k=int32(1, 3)))
+    assert torch.equal(out_kv, flash_attn_varlen_func(q, *kv.unbind(1), int32(*CU_Q), int32(*CU_K), 3, 3,
+                                                      seqused_k=int32(1, 1, 1)))
+
+
+def test_varlen_return_convention(stub_kernel):
+    q, k, v = make_varlen()
+    out = call_varlen(q, k, v)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype
+    result = call_varlen(q, k, v, return_attn_probs=True)
+    assert isinstance(result, tuple) and len(result) == 3 and result[2] is None
+    assert torch.equal(result[0], out)
+    assert result[1].shape == (4, 5) and result[1].dtype == torch.float32  # (nheads, total_q)
+    for packed in (flash_attn_varlen_qkvpacked_func(rand(5, 3, 4, 16), int32(0, 5), 5, return_attn_probs=True),
+                   flash_attn_varlen_kvpacked_func(q, rand(7, 2, 2, 16), int32(*CU_Q), int32(*CU_K), 3, 3,
+                                                   return_attn_probs=True)):
+        assert len(packed) == 3 and packed[2] is None and packed[1].shape == (4, 5)
+
+
+@pytest.mark.parametrize(
+    "cu_q, cu_k, total_q, total_k",
+    [((0, 0, 0), (0, 3, 7), 0, 7), ((0, 2, 5), (0, 0, 0), 5, 0), ((0,), (0,), 5, 7), ((0,), (0,), 0, 0)],
+    ids=["total_q0", "total_k0", "b0", "b0-empty"],
+)
+@pytest.mark.parametrize("with_seqused", [False, True], ids=["plain", "seqused"])
+def test_varlen_empty(no_extension, monkeypatch, cu_q, cu_k, total_q, total_k, with_seqused):
+    """No query, key or sequence: out 0, lse -inf and zero gradients through a connected graph, without a kernel."""
+    monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
+    q, k, v = leaves(*make_varlen(total_q, total_k, d=59))
+    b = len(cu_q) - 1
+    used = dict(seqused_q=torch.zeros(b, dtype=torch.int32), seqused_k=torch.zeros(b, dtype=torch.int32)) \
+        if with_seqused else {}
+    out, lse, _ = flash_attn_varlen_func(q, k, v, int32(*cu_q), int32(*cu_k), 3, 3, causal=True,
+                                         return_attn_probs=True, **used)
+    assert out.shape == q.shape and out.dtype == q.dtype and not out.any()
+    assert lse.shape == (4, total_q) and lse.dtype == torch.float32 and (lse == float("-inf")).all()
+    assert out.grad_fn is not None
+    (out.float().sum() + lse.clamp(min=-1).sum()).backward()
+    for x in (q, k, v):
+        assert x.grad.shape == x.shape and x.grad.dtype == x.dtype and not x.grad.any()
+
+
+def test_varlen_compile_traces_one_graph(monkeypatch):
+    """torch.compile(fullgraph=True) traces the varlen checks, padding, the op (through its fake) and slicing in one
+    graph, also with FLASH_ATTN_CHECK_VARLEN=1, whose value check would need the tensors' values."""
+    monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
+    monkeypatch.setenv("FLASH_ATTN_CHECK_VARLEN", "1")
+
+    class Traced(Exception):
+        pass
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*args):
+            raise Traced
+
+        return run
+
+    def fn(q, k, v, cu_q, cu_k, used_q, slopes):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, alibi_slopes=slopes,
+                                      return_attn_probs=True, seqused_q=used_q)[:2]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    with pytest.raises(Traced):
+        compiled(*make_varlen(d=59), int32(*CU_Q), int32(*CU_K), int32(1, 0, 3), torch.rand(4))
+    (gm,) = graphs
+    targets = [str(node.target) for node in gm.graph.nodes]
+    assert targets.count("flash_attention.fwd.default") == 1
