@@ -1,9 +1,8 @@
 import pytest
 import torch
 
-from cpu_helpers import varlen_ref
+from cpu_helpers import reference_forward
 from flash_attention import _checks, _dispatch, _ops
-from reference import attention_ref
 
 _NO_GPU_SKIPS = pytest.StashKey[int]()
 
@@ -59,13 +58,9 @@ def stub_kernel(monkeypatch):
                           seqused_k=seqused_k, max_seqlen=(max_seqlen_q, max_seqlen_k), softmax_scale=softmax_scale,
                           window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, tier=tier))
-        if cu_seqlens_q is None:
-            out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
-        else:
-            out, lse = varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
-                                  window_size=(window_left, window_right), softcap=softcap,
-                                  softmax_scale=softmax_scale)
-        return out.to(q.dtype), lse
+        return reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                 max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                                 deterministic, tier)
 
     monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
     monkeypatch.setattr(_ops, "forward_impl", fake_forward)
@@ -87,15 +82,8 @@ def standin_ops(request, monkeypatch):
     received, by kind: fwd and bwd for batched calls, varlen_fwd and varlen_bwd for varlen ones."""
     calls = {"fwd": [], "bwd": [], "varlen_fwd": [], "varlen_bwd": []}
 
-    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                window_left, window_right, softcap, alibi_slopes, deterministic, tier):
-        if cu_seqlens_q is None:
-            out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
-        else:
-            out, lse = varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
-                                  window_size=(window_left, window_right), softcap=softcap,
-                                  softmax_scale=softmax_scale)
-        out = out.to(q.dtype, memory_format=torch.contiguous_format)  # laid out as the ops' fakes say
+    def forward(q, k, v, cu_seqlens_q, *args):
+        out, lse = reference_forward(q, k, v, cu_seqlens_q, *args)
         calls["fwd" if cu_seqlens_q is None else "varlen_fwd"].append(dict(q=q, k=k, v=v, out=out, lse=lse))
         return out, lse
 

@@ -70,3 +70,15 @@ def varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=No
         o, l = attention_ref(q[rows_q][None], k[rows_k][None], v[rows_k][None], alibi_slopes=slopes, **kwargs)
         out[rows_q], lse[:, rows_q] = o[0], l[0]
     return out, lse
+
+
+def reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                      softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
+    """The reference with the kernels' forward signature (_ops.forward_impl's): (out in q's dtype, contiguous as the
+    ops' fakes say, lse fp32), batched or varlen."""
+    if cu_seqlens_q is None:
+        out, lse = attention_ref(q, k, v, False, (window_left, window_right), softcap, alibi_slopes, softmax_scale)
+    else:
+        out, lse = varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                              window_size=(window_left, window_right), softcap=softcap, softmax_scale=softmax_scale)
+    return out.to(q.dtype, memory_format=torch.contiguous_format), lse

@@ -7,7 +7,7 @@ import torch
 
 from cpu_helpers import CU_K, CU_Q, call, call_varlen, int32, make_qkv, make_varlen, rand
 from flash_attention import (cute, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                             flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+                             flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
 
 pytest_plugins = ["pytester"]
 
