@@ -4,8 +4,9 @@ one entry the public functions call.
 One op per direction serves batched and variable-length calls alike: the sequence tensors (cu_seqlens_q/k,
 seqused_q/k) are optional, and with cu_seqlens the operands are packed (total, heads, d) and lse is (h, total_q).
 The ops are what torch.compile traces and what `opcheck` checks. An eager call does not need the dispatcher's
-machinery around a Python op (its overhead is several times the rest of the host path on a decode step), so `attention`
-runs the same implementation through a plain autograd.Function when nothing traces or intercepts the call.
+machinery around a Python op (its overhead is several times the rest of the host path on a decode step), so
+`attention` skips it when nothing traces or intercepts the call: a call that needs no gradient runs the kernel
+directly, and one that does gets the binding's C++ autograd node (`_differentiable`), whose backward runs no Python.
 """
 
 from typing import Optional, Tuple
@@ -159,8 +160,8 @@ fwd.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, 
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The ops' autograd formula, for eager calls (see the module docstring). The arguments after q, k, v travel as
-    one tuple: apply's cost grows with its argument count, and none of them takes a gradient."""
+    """The ops' autograd formula without the op, for eager calls with nothing to compute (no kernel runs, so no
+    binding is needed). The arguments after q, k, v travel as one tuple: none of them takes a gradient."""
 
     @staticmethod
     def forward(ctx, q, k, v, args):
@@ -180,10 +181,23 @@ def _eager(q, k, v) -> bool:
             and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor)
 
 
+def _differentiable(q, k, v, args) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) with the backward as the binding's C++ autograd node; both kernels are resolved now (a tier override
+    read at the forward holds for its backward)."""
+    if _nothing_to_compute(q, k, args[0]):
+        return _EagerAttention.apply(q, k, v, args)
+    ext = _dispatch.load_extension()
+    tier = args[-1]
+    fwd_tier, fwd_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, tier)
+    bwd_tier, bwd_dim = _dispatch.resolve(q.device, "bwd", q.shape[-1], q.dtype, tier)
+    out, lse = ext.attention_autograd(q, k, v, *args[:-1], fwd_dim, fwd_tier, bwd_dim, bwd_tier)
+    return out, lse
+
+
 def attention(q, k, v, *args) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of fwd(q, k, v, *args), differentiable: through the op when traced, else eagerly."""
     if not _eager(q, k, v):
         return fwd(q, k, v, *args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, args)
+        return _differentiable(q, k, v, args)
     return forward_impl(q, k, v, *args)

@@ -64,7 +64,14 @@ def stub_kernel(monkeypatch):
 
     monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
     monkeypatch.setattr(_ops, "forward_impl", fake_forward)
+    python_autograd(monkeypatch)
     return calls
+
+
+def python_autograd(monkeypatch):
+    """Eager differentiable calls through the Python twin of the binding's C++ autograd node (the same formula), so
+    that they reach the stand-ins."""
+    monkeypatch.setattr(_ops, "_differentiable", lambda q, k, v, args: _ops._EagerAttention.apply(q, k, v, args))
 
 
 @pytest.fixture
@@ -77,7 +84,8 @@ def no_extension(monkeypatch):
 @pytest.fixture(params=["eager", "op"])
 def standin_ops(request, monkeypatch):
     """Let CPU tensors through and put CPU stand-ins in place of the kernels, so that the autograd formula and the
-    fakes run, on either path: eagerly, or through the custom ops as torch.compile would. The forwards are the
+    fakes run, on either path: eagerly (the Python twin of the binding's autograd node), or through the custom ops as
+    torch.compile would. The forwards are the
     reference, the backwards return 2 * dout, 3 * k and 4 * v, distinct for each input. Returns the calls they
     received, by kind: fwd and bwd for batched calls, varlen_fwd and varlen_bwd for varlen ones."""
     calls = {"fwd": [], "bwd": [], "varlen_fwd": [], "varlen_bwd": []}
@@ -102,5 +110,7 @@ def standin_ops(request, monkeypatch):
     monkeypatch.setattr(_ops, "backward_impl", backward)
     if request.param == "op":
         monkeypatch.setattr(_ops, "_eager", lambda q, k, v: False)
+    else:
+        python_autograd(monkeypatch)
     calls["path"] = request.param
     return calls

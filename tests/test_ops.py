@@ -28,6 +28,12 @@ class FakeBinding:
         self.calls.append(("bwd", (dout, q, k, v, out, lse, dlse) + args))
         return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
 
+    def attention_autograd(self, q, k, v, *args):
+        """The C++ autograd node's contract: fwd's arguments up to deterministic, then the forward's and the
+        backward's kernel head dim and tier; here its Python twin runs them through fwd and bwd above."""
+        self.calls.append(("attention_autograd", (q, k, v) + args))
+        return _ops._EagerAttention.apply(q, k, v, args[:-4] + (None,))
+
 
 @pytest.fixture(params=["eager", "op"])
 def fake_binding(request, monkeypatch):
@@ -47,7 +53,11 @@ def test_varlen_binding_call(fake_binding):
     cu_q, cu_k, used_k, slopes = int32(*CU_Q), int32(*CU_K), int32(2, 1, 3), torch.rand(3, 4)
     out, lse = _ops.attention(q, k, v, cu_q, cu_k, None, used_k, 3, 4, 0.3, 2, 0, 1.5, slopes, True, None)
     (out * torch.randn_like(out)).sum().backward()
-    (_, fwd_args), (_, bwd_args) = fake_binding.calls
+    calls = fake_binding.calls
+    if fake_binding.path == "eager":
+        (_, node_args), *calls = calls
+        assert node_args[3:] == (cu_q, cu_k, None, used_k, 3, 4, 0.3, 2, 0, 1.5, slopes, True, 64, 80, 64, 80)
+    (_, fwd_args), (_, bwd_args) = calls
     assert lse.shape == (4, 5) and torch.equal(bwd_args[4], out) and torch.equal(bwd_args[5], lse)
     assert fwd_args[3:] == (cu_q, cu_k, None, used_k, 3, 4, 0.3, 2, 0, 1.5, slopes, 64, 80)  # ..., kernel dim, tier
     assert bwd_args[6] is None  # the loss does not use lse
@@ -58,13 +68,13 @@ def test_batched_binding_call_has_no_sequences(fake_binding):
     q, k, v = leaves(*make_qkv())
     out, _ = _ops.attention(q, k, v, *BATCHED, 0.25, -1, -1, 0.0, None, False, None)
     out.sum().backward()
-    (_, fwd_args), (_, bwd_args) = fake_binding.calls
+    (_, fwd_args), (_, bwd_args) = fake_binding.calls[-2:]
     assert fwd_args[3:9] == BATCHED and bwd_args[7:13] == BATCHED
 
 
 def test_eager_call_skips_the_op(fake_binding, monkeypatch):
-    """An eager call runs the kernel through the autograd.Function, not the custom op, whose dispatch costs more than
-    the rest of the host path; a call that the op must see (traced, under a dispatch mode) takes the op."""
+    """An eager call runs the kernel through the binding's autograd node, not the custom op, whose dispatch costs more
+    than the rest of the host path; a call that the op must see (traced, under a dispatch mode) takes the op."""
     op_calls = []
     monkeypatch.setattr(_ops, "fwd", lambda *args: op_calls.append(args) or _ops.forward_impl(*args))
     q, k, v = leaves(*make_qkv())
@@ -72,7 +82,7 @@ def test_eager_call_skips_the_op(fake_binding, monkeypatch):
     eager = fake_binding.path == "eager"
     assert len(op_calls) == (0 if eager else 1)
     if eager:
-        assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+        assert fake_binding.calls[0][0] == "attention_autograd"
         with torch.no_grad():
             assert _ops.attention(q, k, v, *BATCHED, 0.25, -1, -1, 0.0, None, False, None)[0].grad_fn is None
 

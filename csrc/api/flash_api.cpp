@@ -4,7 +4,6 @@
 // memory accesses, since the ops can be called directly. Batched tensors are (b, s, heads, d); with cu_seqlens they
 // are varlen, packed (total, heads, d), with lse (h, total_q).
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -278,6 +277,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     return {dq, dk, dv};
 }
 
+// Eager forward with its backward as a C++ autograd node, so that an eager training step pays no Python in the
+// backward (the Python autograd.Function's node and argument handling cost more than the binding on small shapes).
+// The caller resolved both kernels, so the backward needs no routing; torch.compile traces the custom ops instead.
+struct EagerAttention : torch::autograd::Function<EagerAttention> {
+    static torch::autograd::variable_list forward(
+        torch::autograd::AutogradContext* ctx, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+        std::optional<at::Tensor> const& cu_seqlens_q, std::optional<at::Tensor> const& cu_seqlens_k,
+        std::optional<at::Tensor> const& seqused_q, std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q,
+        int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
+        std::optional<at::Tensor> const& alibi_slopes, bool deterministic, int64_t fwd_head_dim, int64_t fwd_tier,
+        int64_t bwd_head_dim, int64_t bwd_tier) {
+        auto [out, lse] = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                              softmax_scale, window_left, window_right, softcap, alibi_slopes, fwd_head_dim, fwd_tier);
+        auto or_undefined = [](std::optional<at::Tensor> const& t) { return t.value_or(at::Tensor()); };
+        ctx->save_for_backward({q, k, v, out, lse, or_undefined(cu_seqlens_q), or_undefined(cu_seqlens_k),
+                                or_undefined(seqused_q), or_undefined(seqused_k), or_undefined(alibi_slopes)});
+        ctx->saved_data["ints"] = std::vector<int64_t>{max_seqlen_q, max_seqlen_k, window_left, window_right,
+                                                       bwd_head_dim, bwd_tier};
+        ctx->saved_data["softmax_scale"] = softmax_scale;
+        ctx->saved_data["softcap"] = softcap;
+        ctx->saved_data["deterministic"] = deterministic;
+        // An output the loss does not use has gradient None, not zeros: an unused lse costs nothing.
+        ctx->set_materialize_grads(false);
+        return {out, lse};
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        auto const saved = ctx->get_saved_variables();
+        auto optional = [](at::Tensor const& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+        auto const ints = ctx->saved_data["ints"].toIntVector();
+        at::Tensor const& out = saved[3];
+        at::Tensor const dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+        // The lse gradient flows into dq and dk: d lse_i / d s_ij is P_ij, which the kernel folds into D.
+        auto [dq, dk, dv] = bwd(dout, saved[0], saved[1], saved[2], out, saved[4], optional(grads[1]),
+                                optional(saved[5]), optional(saved[6]), optional(saved[7]), optional(saved[8]),
+                                ints[0], ints[1], ctx->saved_data["softmax_scale"].toDouble(), ints[2], ints[3],
+                                ctx->saved_data["softcap"].toDouble(), optional(saved[9]),
+                                ctx->saved_data["deterministic"].toBool(), ints[4], ints[5]);
+        torch::autograd::variable_list result(19);  // one per forward argument; none but q, k, v has a gradient
+        result[0] = dq, result[1] = dk, result[2] = dv;
+        return result;
+    }
+};
+
+std::vector<at::Tensor> attention_autograd(
+    at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, std::optional<at::Tensor> const& cu_seqlens_q,
+    std::optional<at::Tensor> const& cu_seqlens_k, std::optional<at::Tensor> const& seqused_q,
+    std::optional<at::Tensor> const& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+    int64_t window_left, int64_t window_right, double softcap, std::optional<at::Tensor> const& alibi_slopes,
+    bool deterministic, int64_t fwd_head_dim, int64_t fwd_tier, int64_t bwd_head_dim, int64_t bwd_tier) {
+    return EagerAttention::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                 max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                                 deterministic, fwd_head_dim, fwd_tier, bwd_head_dim, bwd_tier);
+}
+
 std::vector<std::tuple<int64_t, std::string, int64_t, std::string, std::string>> available_kernels() {
     std::vector<std::tuple<int64_t, std::string, int64_t, std::string, std::string>> out;
     for (auto const& key : flash::registered_kernels()) {
@@ -297,6 +352,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("bwd", &bwd,
           "(dq, dk, dv) of attention: dout, q, k, v, out, lse, dlse, then fwd's arguments from cu_seqlens_q to "
           "alibi_slopes, deterministic, kernel_head_dim, tier");
+    m.def("attention_autograd", &attention_autograd,
+          "[out, lse] of fwd's arguments up to deterministic, then the forward's and the backward's kernel head dim "
+          "and tier; differentiable, its backward a C++ autograd node running bwd");
     m.def("available_kernels", &available_kernels,
           "(tier, kind, kernel head dim, dtype in, dtype out) of every compiled kernel");
 }
