@@ -3,6 +3,8 @@ path and through the ops): the backward gets the forward's saved state and optio
 deterministic reach it, the gradients reach q, k, v (padded, packed, some not requiring grad) and none goes to the
 sequence tensors; torch.library.opcheck of the ops, and torch.compile putting fwd and bwd in their graphs."""
 
+import functools
+
 import pytest
 import torch
 from functorch.compile import make_boxed_func
@@ -102,17 +104,20 @@ def test_some_inputs_require_grad(standin_ops, wanted):
             assert x.grad is None, name
 
 
+def graph_capture(graphs, name):
+    """An aot_autograd compiler that records the node targets of its graph in graphs[name] and runs the graph."""
+    def compiler(gm, example_inputs):
+        graphs[name] = [str(node.target) for node in gm.graph.nodes]
+        return make_boxed_func(gm.forward)
+
+    return compiler
+
+
 def test_compile_traces_backward(standin_ops):
     """torch.compile(fullgraph=True) of a layer puts the fwd op in the forward graph and the bwd op in the backward
     graph (through their fakes), passes deterministic on, and gives eager's gradients."""
     graphs = {}
-
-    def capture(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = [str(node.target) for node in gm.graph.nodes]
-            return make_boxed_func(gm.forward)
-
-        return compiler
+    capture = functools.partial(graph_capture, graphs)
 
     model = SelfAttention(32, 4, 2, 16, deterministic=True).to(bf16)
     x = rand(2, 5, 32, dtype=bf16).requires_grad_()
@@ -231,13 +236,7 @@ def test_varlen_compile_traces_backward(standin_ops):
     """torch.compile(fullgraph=True) puts varlen_fwd in the forward graph and varlen_bwd in the backward graph, and
     gives eager's gradients."""
     graphs = {}
-
-    def capture(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = [str(node.target) for node in gm.graph.nodes]
-            return make_boxed_func(gm.forward)
-
-        return compiler
+    capture = functools.partial(graph_capture, graphs)
 
     def fn(q, k, v, cu_q, cu_k, used_k):
         out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, deterministic=True,

@@ -3,6 +3,7 @@ preparation of the kernel's inputs (head dim padded to a multiple of 8, window n
 arguments that reach the kernel, packed inputs passed as views, the return convention, empty inputs that need no
 kernel, and torch.compile tracing the forward path in one graph."""
 
+import functools
 import itertools
 
 import numpy as np
@@ -157,22 +158,26 @@ def test_empty_sequences(no_extension, monkeypatch, b, sq, sk):
         assert x.grad.shape == x.shape and x.grad.dtype == x.dtype and not x.grad.any()
 
 
+class Traced(Exception):
+    """Raised instead of running a traced graph: the real op needs a GPU; tracing is what is under test."""
+
+
+def trace_only(graphs, gm, example_inputs):
+    """A torch.compile backend that keeps the graph and raises Traced when it would run."""
+    graphs.append(gm)
+
+    def run(*args):
+        raise Traced
+
+    return run
+
+
 def test_compile_traces_one_graph(monkeypatch):
     """torch.compile(fullgraph=True) traces padding, the custom op (through its fake) and slicing in one graph."""
     monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
 
-    class Traced(Exception):
-        pass
-
     graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-
-        def run(*args):
-            raise Traced  # the real op needs a GPU; tracing is what is under test
-
-        return run
+    backend = functools.partial(trace_only, graphs)
 
     def fn(q, k, v, slopes):
         return flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)[:2]
@@ -330,18 +335,8 @@ def test_varlen_compile_traces_one_graph(monkeypatch):
     monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
     monkeypatch.setenv("FLASH_ATTN_CHECK_VARLEN", "1")
 
-    class Traced(Exception):
-        pass
-
     graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-
-        def run(*args):
-            raise Traced
-
-        return run
+    backend = functools.partial(trace_only, graphs)
 
     def fn(q, k, v, cu_q, cu_k, used_q, slopes):
         return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, alibi_slopes=slopes,
