@@ -15,6 +15,7 @@ import torch
 
 from . import _dispatch
 
+
 def _lse_shape(q: torch.Tensor):
     """(b, h, sq) batched; (h, total_q) packed."""
     if q.dim() == 4:
@@ -139,7 +140,8 @@ def _save(ctx, q, k, v, args, out, lse):
 
 def _gradients(ctx, grad_out, grad_lse, bwd_fn):
     """Gradients for q, k, v, and None for the other arguments (sequence tensors, ALiBi slopes, scalars). The lse
-    gradient, when the caller used lse, flows into dq and dk: d lse_i / d s_ij is P_ij, which the kernel folds into D."""
+    gradient, when the caller used lse, flows into dq and dk: d lse_i / d s_ij is P_ij, which the kernel folds into
+    D."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     args = list(ctx.args)
     for i, t in zip(ctx.tensor_positions, tensors):

@@ -52,9 +52,10 @@ cudaError_t launch_by_tile_length(FwdParams const& params, LaunchHints const& hi
     });
 }
 
-// Tile shapes (kBlockM, kBlockN, warps, K/V stages; 1 stage = one K and one V buffer, loads alternating with the GEMMs), measured on an H200
-// (benchmark/RESULTS.md): 32 query rows per warp halve the shared-memory reads per MMA, and narrow key blocks with
-// three stages beat wider ones with two, which spill. Up to d = 192 the largest tile fits the 99 KB of sm86/89/120.
+// Tile shapes (kBlockM, kBlockN, warps, K/V stages; 1 stage = one K and one V buffer, loads alternating with the
+// GEMMs), measured on an H200 (benchmark/RESULTS.md): 32 query rows per warp halve the shared-memory reads per MMA,
+// and narrow key blocks with three stages beat wider ones with two, which spill. Up to d = 192 the largest tile fits
+// the 99 KB of sm86/89/120.
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     if constexpr (kHeadDim == 32) {
