@@ -84,6 +84,6 @@ def gencode_flags(archs: list[int], ptx_arch: int | None, suffix: str = "") -> l
 def nvcc_command(source: Path, obj: Path, archs: list[int], ptx_arch: int | None, suffix: str = "",
                  defines: tuple[str, ...] = ()) -> list[str]:
     includes = [f"-I{p}" for p in [CSRC, *cutlass_include_dirs()]]
-    flags = ["-std=c++17", "-O3", "--use_fast_math", "--expt-relaxed-constexpr", "-DNDEBUG", *(f"-D{d}" for d in defines),
+    flags = ["-std=c++20", "-O3", "--use_fast_math", "--expt-relaxed-constexpr", "-DNDEBUG", *(f"-D{d}" for d in defines),
              "-Xcompiler", "-fPIC", "-Xptxas=-v", *gencode_flags(archs, ptx_arch, suffix)]
     return [nvcc_path(), "-c", str(source), "-o", str(obj), *includes, *flags]

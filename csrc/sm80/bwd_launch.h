@@ -83,41 +83,60 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
     return cudaGetLastError();
 }
 
-// Tiles (kBlockM, kBlockN, warps, warps along the first mode of S/dP, dK/dV and dQ, Q stages), largest first; the
-// first that fits the device's shared memory runs. Registers bind first: dK and dV stay in fp32 registers for the
-// whole kernel. The first tile fits the H100/H200 (227 KB), the last sm86/89/120 (99 KB); the A100 (163 KB) takes
-// the first one up to d 192. Measured on an H100 (benchmark/RESULTS.md): for d 64 the 128 x 128 tile beats the
-// spill-free 64 x 128 one by 15% despite its spills, for d 128 the 64 x 128 tile beats 128 x 64 and 64 x 64.
+// Tiles, largest first; the first that fits the device's shared memory runs. Registers bind first: dK and dV stay in
+// fp32 registers for the whole kernel. The first tile fits the H100/H200 (227 KB), the last sm86/89/120 (99 KB); the
+// A100 (163 KB) takes the first one up to d 192. Measured on an H100 (benchmark/RESULTS.md): for d 64 the 128 x 128
+// tile beats the spill-free 64 x 128 one by 15% despite its spills, for d 128 the 64 x 128 tile beats 128 x 64 and
+// 64 x 64.
 template <int kHeadDim, typename Element>
 cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
     BwdParams const bound = BwdWorkspace(params, kHeadDim).bind(params, workspace);
     auto launch = [&](auto traits) { return launch_bwd<decltype(traits)>(bound, hints, stream); };
     if constexpr (kHeadDim == 32) {
         // 106 KB, 97 KB
-        return launch_first_fitting<BwdTraits<32, 128, 128, 8, 4, 4, 4, 2, Element>,
-                                    BwdTraits<32, 128, 128, 8, 4, 4, 4, 1, Element>>(hints, launch);
+        return launch_first_fitting<
+            BwdTraits<32, BwdTile{.block_m = 128, .block_n = 128, .warps = 8, .warps_m_sdp = 4, .warps_n_dkv = 4,
+                                  .warps_m_dq = 4, .q_stages = 2}, Element>,
+            BwdTraits<32, BwdTile{.block_m = 128, .block_n = 128, .warps = 8, .warps_m_sdp = 4, .warps_n_dkv = 4,
+                                  .warps_m_dq = 4, .q_stages = 1}, Element>>(hints, launch);
     } else if constexpr (kHeadDim == 64) {
         // 146 KB, 81 KB
-        return launch_first_fitting<BwdTraits<64, 128, 128, 8, 4, 4, 4, 2, Element>,
-                                    BwdTraits<64, 64, 128, 8, 2, 4, 4, 1, Element>>(hints, launch);
+        return launch_first_fitting<
+            BwdTraits<64, BwdTile{.block_m = 128, .block_n = 128, .warps = 8, .warps_m_sdp = 4, .warps_n_dkv = 4,
+                                  .warps_m_dq = 4, .q_stages = 2}, Element>,
+            BwdTraits<64, BwdTile{.block_m = 64, .block_n = 128, .warps = 8, .warps_m_sdp = 2, .warps_n_dkv = 4,
+                                  .warps_m_dq = 4, .q_stages = 1}, Element>>(hints, launch);
     } else if constexpr (kHeadDim == 96) {
         // 117 KB, 77 KB
-        return launch_first_fitting<BwdTraits<96, 64, 128, 8, 2, 4, 4, 2, Element>,
-                                    BwdTraits<96, 64, 64, 8, 2, 4, 4, 2, Element>>(hints, launch);
+        return launch_first_fitting<
+            BwdTraits<96, BwdTile{.block_m = 64, .block_n = 128, .warps = 8, .warps_m_sdp = 2, .warps_n_dkv = 4,
+                                  .warps_m_dq = 4, .q_stages = 2}, Element>,
+            BwdTraits<96, BwdTile{.block_m = 64, .block_n = 64, .warps = 8, .warps_m_sdp = 2, .warps_n_dkv = 4,
+                                  .warps_m_dq = 4, .q_stages = 2}, Element>>(hints, launch);
     } else if constexpr (kHeadDim == 128) {
         // 145 KB, 97 KB
-        return launch_first_fitting<BwdTraits<128, 64, 128, 8, 2, 4, 2, 2, Element>,
-                                    BwdTraits<128, 64, 64, 8, 4, 2, 2, 2, Element>>(hints, launch);
+        return launch_first_fitting<
+            BwdTraits<128, BwdTile{.block_m = 64, .block_n = 128, .warps = 8, .warps_m_sdp = 2, .warps_n_dkv = 4,
+                                  .warps_m_dq = 2, .q_stages = 2}, Element>,
+            BwdTraits<128, BwdTile{.block_m = 64, .block_n = 64, .warps = 8, .warps_m_sdp = 4, .warps_n_dkv = 2,
+                                  .warps_m_dq = 2, .q_stages = 2}, Element>>(hints, launch);
     } else if constexpr (kHeadDim == 192) {
         // 137 KB, 81 KB
-        return launch_first_fitting<BwdTraits<192, 64, 64, 8, 4, 2, 2, 2, Element>,
-                                    BwdTraits<192, 64, 32, 8, 4, 2, 2, 1, Element>>(hints, launch);
+        return launch_first_fitting<
+            BwdTraits<192, BwdTile{.block_m = 64, .block_n = 64, .warps = 8, .warps_m_sdp = 4, .warps_n_dkv = 2,
+                                  .warps_m_dq = 2, .q_stages = 2}, Element>,
+            BwdTraits<192, BwdTile{.block_m = 64, .block_n = 32, .warps = 8, .warps_m_sdp = 4, .warps_n_dkv = 2,
+                                  .warps_m_dq = 2, .q_stages = 1}, Element>>(hints, launch);
     } else {
         static_assert(kHeadDim == 256, "no backward tile for this head dim");
         // 177 KB, 145 KB, 85 KB
-        return launch_first_fitting<BwdTraits<256, 64, 64, 8, 4, 2, 2, 2, Element>,
-                                    BwdTraits<256, 64, 64, 8, 4, 2, 2, 1, Element>,
-                                    BwdTraits<256, 32, 32, 4, 2, 2, 2, 2, Element>>(hints, launch);
+        return launch_first_fitting<
+            BwdTraits<256, BwdTile{.block_m = 64, .block_n = 64, .warps = 8, .warps_m_sdp = 4, .warps_n_dkv = 2,
+                                  .warps_m_dq = 2, .q_stages = 2}, Element>,
+            BwdTraits<256, BwdTile{.block_m = 64, .block_n = 64, .warps = 8, .warps_m_sdp = 4, .warps_n_dkv = 2,
+                                  .warps_m_dq = 2, .q_stages = 1}, Element>,
+            BwdTraits<256, BwdTile{.block_m = 32, .block_n = 32, .warps = 4, .warps_m_sdp = 2, .warps_n_dkv = 2,
+                                  .warps_m_dq = 2, .q_stages = 2}, Element>>(hints, launch);
     }
 }
 

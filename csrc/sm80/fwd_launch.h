@@ -52,29 +52,37 @@ cudaError_t launch_by_tile_length(FwdParams const& params, LaunchHints const& hi
     });
 }
 
-// Tile shapes (kBlockM, kBlockN, warps, K/V stages; 1 stage = one K and one V buffer, loads alternating with the
-// GEMMs), measured on an H200 (benchmark/RESULTS.md): 32 query rows per warp halve the shared-memory reads per MMA,
-// and narrow key blocks with three stages beat wider ones with two, which spill. Up to d = 192 the largest tile fits
-// the 99 KB of sm86/89/120.
+// Tile shapes, measured on an H200 (benchmark/RESULTS.md): 32 query rows per warp halve the shared-memory reads per
+// MMA, and narrow key blocks with three stages beat wider ones with two, which spill. Up to d = 192 the largest tile
+// fits the 99 KB of sm86/89/120.
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     if constexpr (kHeadDim == 32) {
-        return launch_fwd<FwdTraits<32, 128, 64, 4, 3, Element>>(params, hints, stream);
+        return launch_fwd<FwdTraits<32, FwdTile{.block_m = 128, .block_n = 64, .warps = 4, .kv_stages = 3}, Element>>(
+            params, hints, stream);
     } else if constexpr (kHeadDim == 64) {
-        return launch_fwd<FwdTraits<64, 128, 64, 4, 3, Element>>(params, hints, stream);
+        return launch_fwd<FwdTraits<64, FwdTile{.block_m = 128, .block_n = 64, .warps = 4, .kv_stages = 3}, Element>>(
+            params, hints, stream);
     } else if constexpr (kHeadDim == 96) {
-        return launch_fwd<FwdTraits<96, 128, 32, 4, 3, Element>>(params, hints, stream);
+        return launch_fwd<FwdTraits<96, FwdTile{.block_m = 128, .block_n = 32, .warps = 4, .kv_stages = 3}, Element>>(
+            params, hints, stream);
     } else if constexpr (kHeadDim == 128) {
-        return launch_fwd<FwdTraits<128, 128, 32, 4, 3, Element>>(params, hints, stream);
+        return launch_fwd<FwdTraits<128, FwdTile{.block_m = 128, .block_n = 32, .warps = 4, .kv_stages = 3}, Element>>(
+            params, hints, stream);
     } else if constexpr (kHeadDim == 192) {
         // 96 KB and 72 KB.
-        return launch_by_tile_length<FwdTraits<192, 64, 64, 4, 1, Element>, FwdTraits<192, 128, 64, 8, 1, Element>>(
-            params, hints, stream);
+        return launch_by_tile_length<
+            FwdTraits<192, FwdTile{.block_m = 64, .block_n = 64, .warps = 4, .kv_stages = 1}, Element>,
+            FwdTraits<192, FwdTile{.block_m = 128, .block_n = 64, .warps = 8, .kv_stages = 1}, Element>>(params, hints,
+                                                                                                          stream);
     } else {
         static_assert(kHeadDim == 256, "no forward tile for this head dim");
         // 192 KB (H100/H200), 128 KB (A100), 96 KB (sm86/89/120, and the short tiles of the H100/H200).
-        return launch_by_tile_length<FwdTraits<256, 64, 64, 4, 1, Element>, FwdTraits<256, 128, 64, 8, 2, Element>,
-                                     FwdTraits<256, 128, 64, 8, 1, Element>>(params, hints, stream);
+        return launch_by_tile_length<
+            FwdTraits<256, FwdTile{.block_m = 64, .block_n = 64, .warps = 4, .kv_stages = 1}, Element>,
+            FwdTraits<256, FwdTile{.block_m = 128, .block_n = 64, .warps = 8, .kv_stages = 2}, Element>,
+            FwdTraits<256, FwdTile{.block_m = 128, .block_n = 64, .warps = 8, .kv_stages = 1}, Element>>(params, hints,
+                                                                                                          stream);
     }
 }
 

@@ -68,26 +68,31 @@ struct TileBase {
     using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<2 * sizeof_bits_v<Element>>, Element>;
 };
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, typename Element_>
-struct FwdTraits : TileBase<kHeadDim_, kNWarps_, Element_> {
-    using Base = TileBase<kHeadDim_, kNWarps_, Element_>;
+// A forward tile: block_m query rows over `warps` warps, key blocks of block_n columns, and a K/V ring of kv_stages
+// blocks (block n + kv_stages - 1 is loading while block n is consumed; 1: single K and V buffers whose loads
+// alternate with the two GEMMs, see fwd_kernel.h).
+struct FwdTile {
+    int block_m, block_n, warps, kv_stages;
+};
+
+template <int kHeadDim_, FwdTile kTile, typename Element_>
+struct FwdTraits : TileBase<kHeadDim_, kTile.warps, Element_> {
+    using Base = TileBase<kHeadDim_, kTile.warps, Element_>;
     using Element = Element_;
     using typename Base::SmemLayoutAtom;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = kBlockM_;
-    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kBlockM = kTile.block_m;
+    static constexpr int kBlockN = kTile.block_n;
     static constexpr int kNThreads = Base::kNThreads;
-    // K/V ring depth: block n + kStages - 1 is loading while block n is consumed. 1: single K and V buffers whose
-    // loads alternate with the two GEMMs (see fwd_kernel.h).
-    static constexpr int kStages = kStages_;
+    static constexpr int kStages = kTile.kv_stages;
     static_assert(kStages >= 1);
-    static_assert(kBlockM % (16 * kNWarps_) == 0, "each warp owns whole 16-row MMA tiles");
+    static_assert(kBlockM % (16 * kTile.warps) == 0, "each warp owns whole 16-row MMA tiles");
     static_assert(kBlockN % 32 == 0);
 
     // Warps tile M, each owning kBlockM / kNWarps rows, so the softmax of a row stays inside one warp (a quad of
     // lanes).
-    using TiledMma = TiledMMA<MMA_Atom<typename Base::MmaOp>, Layout<Shape<Int<kNWarps_>, _1, _1>>,
-                              Tile<Int<16 * kNWarps_>, _16, _16>>;
+    using TiledMma = TiledMMA<MMA_Atom<typename Base::MmaOp>, Layout<Shape<Int<kTile.warps>, _1, _1>>,
+                              Tile<Int<16 * kTile.warps>, _16, _16>>;
 
     using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
@@ -100,29 +105,32 @@ struct FwdTraits : TileBase<kHeadDim_, kNWarps_, Element_> {
     static constexpr int kSmemBytes = (kSmemQElems + 2 * kSmemKVElems) * int(sizeof(Element));
 };
 
-// Backward tile: one CTA owns kBlockN keys and walks kBlockM-row query tiles. Five GEMMs per query tile, each with
-// its own warp layout (warps along the first mode): S = Q K^T and dP = dO V^T (M x N, kWarpsMSdP), dV += P^T dO and
-// dK += dS^T Q (N x d, kWarpsNdKV), dQ = dS K (M x d, kWarpsMdQ). kQStages = 2 double-buffers Q, so the next tile's
-// Q loads while dK reads this one.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMSdP, int kWarpsNdKV, int kWarpsMdQ,
-          int kQStages_, typename Element_>
-struct BwdTraits : TileBase<kHeadDim_, kNWarps_, Element_> {
-    using Base = TileBase<kHeadDim_, kNWarps_, Element_>;
+// A backward tile: one CTA owns block_n keys and walks block_m-row query tiles with `warps` warps. Five GEMMs per
+// query tile, each with its own warp layout (warps along the first mode): S = Q K^T and dP = dO V^T (M x N,
+// warps_m_sdp), dV += P^T dO and dK += dS^T Q (N x d, warps_n_dkv), dQ = dS K (M x d, warps_m_dq). q_stages = 2
+// double-buffers Q, so the next tile's Q loads while dK reads this one.
+struct BwdTile {
+    int block_m, block_n, warps, warps_m_sdp, warps_n_dkv, warps_m_dq, q_stages;
+};
+
+template <int kHeadDim_, BwdTile kTile, typename Element_>
+struct BwdTraits : TileBase<kHeadDim_, kTile.warps, Element_> {
+    using Base = TileBase<kHeadDim_, kTile.warps, Element_>;
     using Element = Element_;
     using typename Base::SmemLayoutAtom;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = kBlockM_;
-    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kBlockM = kTile.block_m;
+    static constexpr int kBlockN = kTile.block_n;
     static constexpr int kNThreads = Base::kNThreads;
-    static constexpr int kQStages = kQStages_;
+    static constexpr int kQStages = kTile.q_stages;
     static_assert(kQStages == 1 || kQStages == 2);
 
-    using TiledMmaSdP = typename Base::template TiledMmaWarps<kWarpsMSdP>;
-    using TiledMmadKV = typename Base::template TiledMmaWarps<kWarpsNdKV>;
-    using TiledMmadQ = typename Base::template TiledMmaWarps<kWarpsMdQ>;
-    static_assert(kBlockM % (16 * kWarpsMSdP) == 0 && kBlockN % (16 * (kNWarps_ / kWarpsMSdP)) == 0);
-    static_assert(kBlockN % (16 * kWarpsNdKV) == 0 && kHeadDim % (16 * (kNWarps_ / kWarpsNdKV)) == 0);
-    static_assert(kBlockM % (16 * kWarpsMdQ) == 0 && kHeadDim % (16 * (kNWarps_ / kWarpsMdQ)) == 0);
+    using TiledMmaSdP = typename Base::template TiledMmaWarps<kTile.warps_m_sdp>;
+    using TiledMmadKV = typename Base::template TiledMmaWarps<kTile.warps_n_dkv>;
+    using TiledMmadQ = typename Base::template TiledMmaWarps<kTile.warps_m_dq>;
+    static_assert(kBlockM % (16 * kTile.warps_m_sdp) == 0 && kBlockN % (16 * (kTile.warps / kTile.warps_m_sdp)) == 0);
+    static_assert(kBlockN % (16 * kTile.warps_n_dkv) == 0 && kHeadDim % (16 * (kTile.warps / kTile.warps_n_dkv)) == 0);
+    static_assert(kBlockM % (16 * kTile.warps_m_dq) == 0 && kHeadDim % (16 * (kTile.warps / kTile.warps_m_dq)) == 0);
     static_assert(kBwdRowAlign % kBlockM == 0, "dQ workspace rows are padded to kBwdRowAlign");
 
     using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));

@@ -77,19 +77,22 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
     return cudaGetLastError();
 }
 
-// Tiles (kBlockM, kBlockN, K/V stages). d 64: three consumer warpgroups (192 query rows), since its GEMMs are short
+// Tiles. d 64: three consumer warpgroups (192 query rows), since its GEMMs are short
 // beside the softmax and a third warpgroup's GEMMs fill the gaps. d 128: two, key blocks of 128 (176, as
 // FlashAttention-3 uses for unmasked tiles, measured 3-8% slower here at 2k, equal at 8k, and spills). d 256: two,
 // the widest key block whose two K and V stages fit beside Q (224 KB).
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     if constexpr (kHeadDim == 256) {
-        return launch_fwd<FwdTraits<256, 128, 80, 2, Element>>(params, hints, stream);
+        return launch_fwd<FwdTraits<256, FwdTile{.block_m = 128, .block_n = 80, .kv_stages = 2}, Element>>(
+            params, hints, stream);
     } else if constexpr (kHeadDim == 128) {
-        return launch_fwd<FwdTraits<128, 128, 128, 2, Element>>(params, hints, stream);
+        return launch_fwd<FwdTraits<128, FwdTile{.block_m = 128, .block_n = 128, .kv_stages = 2}, Element>>(
+            params, hints, stream);
     } else {
         static_assert(kHeadDim == 64, "no SM90 forward tile for this head dim");
-        return launch_fwd<FwdTraits<64, 192, 128, 2, Element>>(params, hints, stream);
+        return launch_fwd<FwdTraits<64, FwdTile{.block_m = 192, .block_n = 128, .kv_stages = 2}, Element>>(
+            params, hints, stream);
     }
 }
 

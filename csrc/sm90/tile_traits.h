@@ -18,13 +18,19 @@ namespace flash::sm90 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
+// A forward tile: block_m query rows (64 per consumer warpgroup), key blocks of block_n columns, K and V rings of
+// kv_stages blocks.
+struct FwdTile {
+    int block_m, block_n, kv_stages;
+};
+
+template <int kHeadDim_, FwdTile kTile, typename Element_>
 struct FwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = kBlockM_;
-    static constexpr int kBlockN = kBlockN_;
-    static constexpr int kStages = kStages_;
+    static constexpr int kBlockM = kTile.block_m;
+    static constexpr int kBlockN = kTile.block_n;
+    static constexpr int kStages = kTile.kv_stages;
     // Warpgroup 0 loads (one thread issues every TMA); each consumer warpgroup owns 64 query rows.
     static constexpr int kConsumerWarpGroups = kBlockM / 64;
     static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
