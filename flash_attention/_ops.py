@@ -163,7 +163,8 @@ fwd.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, 
 
 class _EagerAttention(torch.autograd.Function):
     """The ops' autograd formula without the op, for eager calls with nothing to compute (no kernel runs, so no
-    binding is needed). The arguments after q, k, v travel as one tuple: none of them takes a gradient."""
+    binding is needed) or without a backward kernel (see _differentiable). The arguments after q, k, v travel as one
+    tuple: none of them takes a gradient."""
 
     @staticmethod
     def forward(ctx, q, k, v, args):
@@ -185,13 +186,17 @@ def _eager(q, k, v) -> bool:
 
 def _differentiable(q, k, v, args) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) with the backward as the binding's C++ autograd node; both kernels are resolved now (a tier override
-    read at the forward holds for its backward)."""
+    read at the forward holds for its backward). Without a backward kernel (a build with FLASH_ATTN_KINDS=fwd) the
+    forward still runs: the Python twin defers the backward's lookup, and its error, to the backward."""
     if _nothing_to_compute(q, k, args[0]):
         return _EagerAttention.apply(q, k, v, args)
     ext = _dispatch.load_extension()
     tier = args[-1]
     fwd_tier, fwd_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, tier)
-    bwd_tier, bwd_dim = _dispatch.resolve(q.device, "bwd", q.shape[-1], q.dtype, tier)
+    try:
+        bwd_tier, bwd_dim = _dispatch.resolve(q.device, "bwd", q.shape[-1], q.dtype, tier)
+    except RuntimeError:
+        return _EagerAttention.apply(q, k, v, args)
     out, lse = ext.attention_autograd(q, k, v, *args[:-1], fwd_dim, fwd_tier, bwd_dim, bwd_tier)
     return out, lse
 

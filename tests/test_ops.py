@@ -87,6 +87,22 @@ def test_eager_call_skips_the_op(fake_binding, monkeypatch):
             assert _ops.attention(q, k, v, *BATCHED, 0.25, -1, -1, 0.0, None, False, None)[0].grad_fn is None
 
 
+def test_forward_runs_without_a_backward_kernel(fake_binding, monkeypatch):
+    """A build without backward kernels (FLASH_ATTN_KINDS=fwd) still runs a differentiable forward; the missing kernel
+    is reported when the backward runs."""
+    def resolve(device, kind, head_dim, dtype, tier):
+        if kind == "bwd":
+            raise RuntimeError("flash_attention: this build has no sm80 bwd kernel")
+        return (80, 64)
+
+    monkeypatch.setattr(_dispatch, "resolve", resolve)
+    q, k, v = leaves(*make_qkv())
+    out, _ = _ops.attention(q, k, v, *BATCHED, 0.25, -1, -1, 0.0, None, False, None)
+    assert [call[0] for call in fake_binding.calls] == ["fwd"]
+    with pytest.raises(RuntimeError, match="no sm80 bwd kernel"):
+        out.sum().backward()
+
+
 def test_dispatch_mode_takes_the_op():
     from torch.utils._python_dispatch import TorchDispatchMode
 
