@@ -14,6 +14,7 @@
 
 #include "../common/block_range.h"
 #include "../common/block_scheduler.h"
+#include "../common/bwd_workspace.h"
 #include "../common/mask.h"
 #include "../common/params.h"
 #include "../common/score_mod.h"
@@ -24,12 +25,6 @@
 namespace flash::sm80 {
 
 using namespace cute;
-
-__device__ __forceinline__ int load_acquire(int const* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 
 // Deterministic dQ: the CTAs that add into one query tile's dQ do so one at a time, in launch order (ascending key
 // blocks, or descending when decode_tile reverses them), counted by a semaphore per (batch, head, query tile).
@@ -55,14 +50,8 @@ struct DqOrder {
     }
 };
 
-// The dQ workspace holds each query tile as a run of kBlockM * kHeadDim floats in the dQ MMA's fragment order, four
-// consecutive fragment values per thread: a warp adds 512 contiguous bytes, with one 16-byte vector reduction per
-// thread on sm_90 and newer. bwd_convert_dq_kernel reads the same order.
-template <int kNThreads>
-__device__ __forceinline__ int dq_workspace_index(int i, int tid) {
-    return ((i / 4) * kNThreads + tid) * 4 + i % 4;
-}
-
+// Each thread adds four consecutive fragment values with one 16-byte vector reduction on sm_90 and newer (see
+// dq_workspace_index).
 template <int kNThreads, class Frag>
 __device__ __forceinline__ void add_dq(float* tile, Frag const& acc, int tid) {
     static_assert(decltype(size(acc))::value % 4 == 0);
@@ -78,16 +67,6 @@ __device__ __forceinline__ void add_dq(float* tile, Frag const& acc, int tid) {
         for (int j = 0; j < 4; ++j) { atomicAdd(p + j, acc(i + j)); }
 #endif
     }
-}
-
-// First dQ workspace row of (sequence, head). A varlen sequence starts at its first row plus kBwdRowAlign per earlier
-// sequence, rounded down to kBwdRowAlign: aligned, and past the previous sequence's rows rounded up to kBwdRowAlign.
-__device__ __forceinline__ int64_t dq_accum_row(BwdParams const& params, SeqlenInfo const& seq, int head) {
-    int64_t const start =
-        params.cu_seqlens_q == nullptr
-            ? 0
-            : (int64_t(seq.q.start) + int64_t(seq.batch) * kBwdRowAlign) / kBwdRowAlign * kBwdRowAlign;
-    return seq.batch * params.dq_accum_batch_stride + head * params.dq_accum_head_stride + start;
 }
 
 template <class Traits>

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "../common/block_scheduler.h"
+#include "../common/bwd_workspace.h"
 #include "../common/kernel_registry.h"
 #include "../common/kernels/bwd_preprocess.h"
 #include "../common/params.h"
@@ -18,40 +19,6 @@
 #include "tile_traits.h"
 
 namespace flash::sm80 {
-
-// The workspace, one allocation: the fp32 dQ accumulator (rows x kernel head dim, zeroed), when deterministic one int
-// per 16 accumulator rows (zeroed), then D (like lse). Accumulator rows: batched, sq rounded up to kBwdRowAlign per
-// (b, h); varlen, per head, total_q plus kBwdRowAlign rows per sequence (see dq_accum_row), rounded up likewise.
-struct BwdWorkspace {
-    int64_t rows_per_head;
-    size_t accum_bytes, semaphore_bytes, dpsum_bytes;
-
-    static constexpr size_t kAlign = 256;
-    static size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
-    BwdWorkspace(BwdParams const& p, int kernel_head_dim) {
-        bool const varlen = p.cu_seqlens_q != nullptr;
-        auto round_up = [](int64_t x) { return (x + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign; };
-        rows_per_head = varlen ? round_up(int64_t(p.sq) + int64_t(kBwdRowAlign) * (p.b + 1)) : round_up(p.sq);
-        int64_t const rows = int64_t(varlen ? 1 : p.b) * p.h * rows_per_head;
-        accum_bytes = aligned(size_t(rows) * kernel_head_dim * sizeof(float));
-        semaphore_bytes = p.deterministic ? aligned(size_t(rows / 16) * sizeof(int)) : 0;
-        dpsum_bytes = aligned(size_t(tensor_batches(p)) * p.h * p.sq * sizeof(float));
-    }
-
-    Workspace sizes() const { return {accum_bytes + semaphore_bytes, accum_bytes + semaphore_bytes + dpsum_bytes}; }
-
-    // params with the workspace's pointers and strides filled in.
-    BwdParams bind(BwdParams params, void* workspace) const {
-        char* base = static_cast<char*>(workspace);
-        params.dq_accum = reinterpret_cast<float*>(base);
-        params.dq_semaphore = params.deterministic ? reinterpret_cast<int*>(base + accum_bytes) : nullptr;
-        params.dpsum = reinterpret_cast<float*>(base + accum_bytes + semaphore_bytes);
-        params.dq_accum_head_stride = rows_per_head;
-        params.dq_accum_batch_stride = params.cu_seqlens_q != nullptr ? 0 : params.h * rows_per_head;
-        return params;
-    }
-};
 
 template <class Traits>
 cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
@@ -138,11 +105,6 @@ cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* wor
             BwdTraits<256, BwdTile{.block_m = 32, .block_n = 32, .warps = 4, .warps_m_sdp = 2, .warps_n_dkv = 2,
                                   .warps_m_dq = 2, .q_stages = 2}, Element>>(hints, launch);
     }
-}
-
-template <int kHeadDim>
-Workspace bwd_workspace(BwdParams const& params, LaunchHints const&) {
-    return BwdWorkspace(params, kHeadDim).sizes();
 }
 
 template <int kHeadDim, typename Element, typename ElementOut>

@@ -1,6 +1,7 @@
-// SM90-tier forward epilogue: the normalised output and its lse. Batched calls stage each consumer warpgroup's 64
+// SM90-tier epilogues. Forward: the normalised output and its lse. Batched calls stage each consumer warpgroup's 64
 // rows in shared memory (stmatrix) and store them with one TMA, which clips the rows past sq and the columns past d;
-// a varlen or seqused call, whose rows past the sequence belong to another, stores from registers instead.
+// a varlen or seqused call, whose rows past the sequence belong to another, stores from registers instead. Backward:
+// dK, dV and the converted dQ, from registers.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -101,6 +102,29 @@ __device__ __forceinline__ void store_output(typename Traits::TmaO const& tma_o,
         store_output_tma<Traits>(tma_o, shared, r_o, params, seq, m_block, head, ctid);
     } else {
         store_output_registers<Traits>(coord_rc, r_o, params, seq, row0, head);
+    }
+}
+
+// Stores an fp32 accumulator seen as (rows, cols), times `scale`, from registers in pairs of adjacent columns (c, c + 1),
+// c even: rows below rows_left, columns below cols, of the tile at `base`.
+template <typename Element, class CoordRC, class AccRC>
+__device__ __forceinline__ void store_scaled_rows(CoordRC const& coord_rc, AccRC const& acc_rc, float scale,
+                                                  Element* base, int64_t row_stride, int rows_left, int cols) {
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(acc_rc); ++r) {
+        int const row = get<0>(coord_rc(r, 0));
+        if (row < rows_left) {
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(acc_rc); c += 2) {
+                int const col = get<1>(coord_rc(r, c));
+                if (col < cols) {
+                    cutlass::Array<Element, 2> pair;
+                    pair[0] = Element(acc_rc(r, c) * scale);
+                    pair[1] = Element(acc_rc(r, c + 1) * scale);
+                    *reinterpret_cast<cutlass::Array<Element, 2>*>(base + int64_t(row) * row_stride + col) = pair;
+                }
+            }
+        }
     }
 }
 

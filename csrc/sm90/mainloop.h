@@ -17,6 +17,7 @@
 #include "../common/seqlen.h"
 #include "../common/softmax.h"
 #include "../common/fragment.h"
+#include "gemm.h"
 #include "pipeline.h"
 #include "tile_traits.h"
 
@@ -34,34 +35,6 @@ struct FwdKernelParams {
     int num_tiles;  // a bound on the tiles of the grid (see tile_count)
     int section;    // (batch, head) pairs per L2 section of the tile order (see decode_tile)
 };
-
-// The registers of an m64nN accumulator ((2, 2, N / 8), MMA_M, MMA_N) read as the A operand of an m64nKk16 wgmma
-// ((2, 2, 2), MMA_M, K / 16): two n8 blocks form one k16 slice, so P never leaves registers.
-template <class Layout>
-__device__ __forceinline__ constexpr auto acc_as_a_operand(Layout const& acc) {
-    auto l = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});
-    return make_layout(make_layout(get<0>(l), get<1>(l), get<2, 0>(l)), get<1>(acc),
-                       coalesce(make_layout(get<2, 1>(l), get<2>(acc))));
-}
-
-// Issues acc (+)= A B over every k slice as one wgmma batch of this warpgroup; the caller waits with
-// warpgroup_wait<N>, so that the GEMM runs while it works.
-template <bool kZeroInit, class TiledMma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void gemm(TiledMma& tiled_mma, FragA& a, FragB const& b, Acc& acc) {
-    constexpr bool kAInRegisters = !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
-    if constexpr (kAInRegisters) { warpgroup_fence_operand(a); }
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-    tiled_mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(a); ++k) {
-        cute::gemm(tiled_mma, a(_, _, k), b(_, _, k), acc);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_fence_operand(acc);
-    if constexpr (kAInRegisters) { warpgroup_fence_operand(a); }
-}
 
 // The position of a CTA's producer or consumers in the Q buffer and the K / V rings, kept across its tiles.
 template <int kStages>

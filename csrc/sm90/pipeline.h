@@ -58,6 +58,9 @@ struct TmaRing {
 // Named barrier ids (after CUTLASS's reserved ones): the consumers', one GEMM turn and one epilogue barrier per
 // consumer warpgroup (at most 3). The producer warpgroup never takes part.
 enum class NamedBarrierId : uint32_t { kConsumers = 0, kGemmTurn0 = 1, kEpilogue0 = 4 };
+// The backward's: the consumers' (as above), and per consumer warpgroup the two sides of its dQ staging buffer with
+// the store warp (full: the warpgroup wrote it; empty: the store warp's reduction has read it).
+enum class BwdBarrierId : uint32_t { kConsumers = 0, kDqFull0 = 1, kDqEmpty0 = 3 };
 
 template <int kConsumerThreads>
 __device__ __forceinline__ void sync_consumers() {

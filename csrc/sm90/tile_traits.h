@@ -1,6 +1,7 @@
-// SM90-tier forward tile: the warp roles and their register budgets, wgmma (GMMA) atoms for S = Q K^T (both operands
-// in shared memory) and O += P V (P in registers), shared-memory layouts in the 128-byte-swizzled GMMA atoms that TMA
-// reads and writes, the TMA copy types, the K / V rings and the output's staging buffer.
+// SM90-tier tiles. Forward: the warp roles and their register budgets, wgmma (GMMA) atoms for S = Q K^T (both
+// operands in shared memory) and O += P V (P in registers), shared-memory layouts in the 128-byte-swizzled GMMA atoms
+// that TMA reads and writes, the TMA copy types, the K / V rings and the output's staging buffer. Backward: the same
+// for its five GEMMs, the Q and dO rings, and the dQ staging buffer.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -128,6 +129,108 @@ struct FwdTraits {
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
     static_assert(kSmemBytes <= kSmemLimit);
+};
+
+// A backward tile: block_n keys (64 per consumer warpgroup) kept in shared memory for the whole CTA, query blocks of
+// block_m rows streamed through rings of q_stages (Q, lse) and do_stages (dO, D) buffers.
+struct BwdTile {
+    int block_m, block_n, q_stages, do_stages;
+};
+
+// The scores are computed transposed, S^T = K Q^T and dP^T = V dO^T, with the keys on wgmma's M: their accumulators
+// are then, converted to 16 bits, the register A operands of dV += P^T dO and dK += dS^T Q, so P never leaves
+// registers. dS also goes to shared memory (two buffers) for dQ = dS K, which splits the head dim between the
+// warpgroups and so reads both warpgroups' dS. Q^T, dO^T, K^T and dS are MN-major views of the same swizzled buffers.
+template <int kHeadDim_, BwdTile kTile, typename Element_>
+struct BwdTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kTile.block_m;
+    static constexpr int kBlockN = kTile.block_n;
+    static constexpr int kQStages = kTile.q_stages;
+    static constexpr int kdOStages = kTile.do_stages;
+    static constexpr int kConsumerWarpGroups = kBlockN / 64;
+    static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
+    static constexpr int kNThreads = kConsumerThreads + 128;
+    // dS is staged with rows of kBlockM 16-bit values: one 128-byte swizzle atom wide.
+    static_assert(kBlockM == 64 && kBlockN % 64 == 0 && kHeadDim % 64 == 0);
+    static_assert(kConsumerWarpGroups == 2, "dQ splits the head dim in two");
+    static constexpr int kProducerRegisters = 24;
+    static constexpr int kConsumerRegisters = 240;
+    static_assert(128 * (kProducerRegisters + kConsumerWarpGroups * kConsumerRegisters) <=
+                  kNThreads * (65536 / kNThreads / 8 * 8));
+
+    using WarpGroupsOnM = Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>;
+    using TiledMmaSdP = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(), WarpGroupsOnM{}));
+    using TiledMmadKV = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
+                             GMMA::Major::MN>(),
+        WarpGroupsOnM{}));
+    static constexpr int kdQCols = kHeadDim / kConsumerWarpGroups;  // head-dim columns of dQ per warpgroup
+    using TiledMmadQ = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kdQCols>, Int<kBlockN>>, GMMA::Major::MN,
+                             GMMA::Major::MN>(),
+        Layout<Shape<_1, Int<kConsumerWarpGroups>, _1>>{}));
+
+    // K^T is read in head-dim slices of kdQCols: its swizzle atom must not be wider than one slice.
+    using SmemAtomK = std::conditional_t<kdQCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                                         GMMA::Layout_K_SW64_Atom<Element>>;
+    using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                               Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
+    using SmemLayoutdO = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                Shape<Int<kBlockM>, Int<kHeadDim>, Int<kdOStages>>{}));
+    using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    using SmemLayoutV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                               Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    // dS^T as written from the accumulators: (key, query, buffer), queries contiguous.
+    using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));
+    // Transposed views: (head dim, query, stage), (head dim, key), (query, key, buffer).
+    using SmemLayoutQt = decltype(composition(
+        SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kQStages>>{}, Step<_2, _1, _3>{})));
+    using SmemLayoutdOt = decltype(composition(
+        SmemLayoutdO{},
+        make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kdOStages>>{}, Step<_2, _1, _3>{})));
+    using SmemLayoutKt = decltype(composition(
+        SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+    using SmemLayoutdSt = decltype(composition(
+        SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, _2>{}, Step<_2, _1, _3>{})));
+    // Registers to shared memory with stmatrix, in the S^T accumulator's layout.
+    using SmemCopydS = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaSdP{}));
+
+    using GmemShape = Shape<int, int, int, int>;  // (rows, head dim, heads, batch entries)
+    using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+    using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{},
+                                            GmemStride{}));
+    using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                        Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+    using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
+                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+    using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{},
+                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+    static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
+    static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
+
+    // One warpgroup's dQ partial tile: its fragment, in dq_workspace_index order, is one contiguous run of the tile's
+    // accumulator rows, added into them with one bulk reduction.
+    static constexpr int kdQChunkFloats = kBlockM * kdQCols;
+
+    struct SharedStorage {
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> dout;
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> v;
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
+        alignas(128) cute::array_aligned<float, kConsumerWarpGroups * kdQChunkFloats> dq;
+        alignas(128) float lse2[kQStages][kBlockM];  // per Q stage (BwdParams::lse2)
+        alignas(128) float dpsum[kdOStages][kBlockM];  // per dO stage (BwdParams::dpsum)
+        uint64_t kv_full;
+        TmaRing<kQStages> q_ring;
+        TmaRing<kdOStages> do_ring;
+    };
+    static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+    static_assert(kSmemBytes <= 227 * 1024);
 };
 
 }  // namespace flash::sm90

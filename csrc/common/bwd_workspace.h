@@ -1,0 +1,89 @@
+// The backward's workspace, for every tier: the fp32 dQ accumulator (with the semaphores of the deterministic mode)
+// and D, sized on the host and addressed in the kernels. Each tier adds into a query tile's accumulator rows in its
+// own order (its dQ MMA's fragments) and converts them with a kernel that reads that order back.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernel_registry.h"
+#include "params.h"
+#include "seqlen.h"
+
+namespace flash {
+
+// The workspace, one allocation: the fp32 dQ accumulator (rows x kernel head dim, zeroed), when deterministic one int
+// per 16 accumulator rows (zeroed), then the row statistics: D like lse or, per_accum_row, D and lse2 per accumulator
+// row, so that a query tile's statistics are one aligned run that a bulk copy can load (padding rows included).
+// Accumulator rows: batched, sq rounded up to kBwdRowAlign per (b, h); varlen, per head, total_q plus kBwdRowAlign
+// rows per sequence (see dq_accum_row), rounded up likewise.
+struct BwdWorkspace {
+    int64_t rows_per_head;
+    bool per_accum_row;
+    size_t accum_bytes, semaphore_bytes, dpsum_bytes, lse2_bytes;
+
+    static constexpr size_t kAlign = 256;
+    static size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+    BwdWorkspace(BwdParams const& p, int kernel_head_dim, bool stats_per_accum_row = false)
+        : per_accum_row(stats_per_accum_row) {
+        bool const varlen = p.cu_seqlens_q != nullptr;
+        auto round_up = [](int64_t x) { return (x + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign; };
+        rows_per_head = varlen ? round_up(int64_t(p.sq) + int64_t(kBwdRowAlign) * (p.b + 1)) : round_up(p.sq);
+        int64_t const rows = int64_t(varlen ? 1 : p.b) * p.h * rows_per_head;
+        accum_bytes = aligned(size_t(rows) * kernel_head_dim * sizeof(float));
+        semaphore_bytes = p.deterministic ? aligned(size_t(rows / 16) * sizeof(int)) : 0;
+        size_t const stats_rows = per_accum_row ? size_t(rows) : size_t(tensor_batches(p)) * p.h * p.sq;
+        dpsum_bytes = aligned(stats_rows * sizeof(float));
+        lse2_bytes = per_accum_row ? dpsum_bytes : 0;
+    }
+
+    Workspace sizes() const {
+        size_t const zeroed = accum_bytes + semaphore_bytes;
+        return {zeroed, zeroed + dpsum_bytes + lse2_bytes};
+    }
+
+    // params with the workspace's pointers and strides filled in.
+    BwdParams bind(BwdParams params, void* workspace) const {
+        char* base = static_cast<char*>(workspace);
+        params.dq_accum = reinterpret_cast<float*>(base);
+        params.dq_semaphore = params.deterministic ? reinterpret_cast<int*>(base + accum_bytes) : nullptr;
+        params.dpsum = reinterpret_cast<float*>(base + accum_bytes + semaphore_bytes);
+        params.lse2 = per_accum_row ? params.dpsum + dpsum_bytes / sizeof(float) : nullptr;
+        params.dq_accum_head_stride = rows_per_head;
+        params.dq_accum_batch_stride = params.cu_seqlens_q != nullptr ? 0 : params.h * rows_per_head;
+        return params;
+    }
+};
+
+// The descriptor's workspace function of a backward kernel of this head dim.
+template <int kHeadDim, bool kStatsPerAccumRow = false>
+Workspace bwd_workspace(BwdParams const& params, LaunchHints const&) {
+    return BwdWorkspace(params, kHeadDim, kStatsPerAccumRow).sizes();
+}
+
+// A query tile's accumulator rows hold kBlockM * kHeadDim floats in the order of the dQ MMA's fragments: thread tid
+// of kNThreads owns four consecutive values per group of four of its fragment, so a warp's 16-byte accesses cover
+// 512 contiguous bytes. The tier's convert kernel reads the same order.
+template <int kNThreads>
+__device__ __forceinline__ int dq_workspace_index(int i, int tid) {
+    return ((i / 4) * kNThreads + tid) * 4 + i % 4;
+}
+
+__device__ __forceinline__ int load_acquire(int const* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// First dQ workspace row of (sequence, head). A varlen sequence starts at its first row plus kBwdRowAlign per earlier
+// sequence, rounded down to kBwdRowAlign: aligned, and past the previous sequence's rows rounded up to kBwdRowAlign.
+__device__ __forceinline__ int64_t dq_accum_row(BwdParams const& params, SeqlenInfo const& seq, int head) {
+    int64_t const start =
+        params.cu_seqlens_q == nullptr
+            ? 0
+            : (int64_t(seq.q.start) + int64_t(seq.batch) * kBwdRowAlign) / kBwdRowAlign * kBwdRowAlign;
+    return seq.batch * params.dq_accum_batch_stride + head * params.dq_accum_head_stride + start;
+}
+
+}  // namespace flash

@@ -1,0 +1,93 @@
+// SM90-tier backward main kernel: one CTA per (key block, kv head, sequence), of one producer warpgroup (warp 0
+// loads, warp 1 adds dQ into the workspace; setmaxnreg gives the warpgroup's registers to the consumers) and two
+// consumer warpgroups (wgmma, the gradients' elementwise math, dQ staging, the dK / dV epilogue). The CTA walks every query head of its GQA
+// group, so dK and dV are reduced over the group in registers: no expanded copies, no atomics. The roles' code is in
+// bwd_mainloop.h.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "../common/block_range.h"
+#include "../common/block_scheduler.h"
+#include "../common/fragment.h"
+#include "../common/params.h"
+#include "../common/seqlen.h"
+#include "bwd_mainloop.h"
+#include "epilogue.h"
+#include "pipeline.h"
+#include "tile_traits.h"
+
+namespace flash::sm90 {
+
+using namespace cute;
+
+// Stores a (kBlockN, kHeadDim) accumulator of dK or dV, times `scale`: rows below rows_left, columns below params.d.
+template <class Traits, class Acc>
+__device__ __forceinline__ void store_key_gradient(Acc const& acc, float scale, BwdParams const& params,
+                                                   SeqlenInfo const& seq, TileCoord const& blk, void* base,
+                                                   int64_t batch_stride, int64_t row_stride, int64_t head_stride,
+                                                   int ctid) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockN = Traits::kBlockN;
+    typename Traits::TiledMmadKV mma_dkv;
+    Tensor coord_rc = rowcol_view(mma_dkv.get_thread_slice(ctid).partition_C(
+        make_identity_tensor(Shape<Int<kBlockN>, Int<Traits::kHeadDim>>{})));
+    Element* tile = static_cast<Element*>(base) + seq.k_offset(batch_stride, row_stride, head_stride, blk.head) +
+                    int64_t(blk.block) * kBlockN * row_stride;
+    store_scaled_rows(coord_rc, rowcol_view(acc), scale, tile, row_stride, seq.k.len - blk.block * kBlockN, params.d);
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdKernelParams<Traits> const args) {
+    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    BwdParams const& params = args.p;
+    extern __shared__ __align__(1024) char smem_buf[];
+    auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
+    int const tid = threadIdx.x;
+
+    // Under a causal mask the first key blocks see the most query blocks, so ascending order starts the longest first;
+    // the deterministic dQ order hands them out last-first instead (launch order = accumulation order).
+    bool const reverse = params.deterministic && params.window_right >= 0;
+    TileCoord const blk = decode_tile<kBlockN>(blockIdx.x, params.cu_seqlens_k, params.seqused_k, params.sk, params.b,
+                                               params.hk, reverse);
+    if (!blk.valid) { return; }
+    SeqlenInfo const seq(params, blk.batch);
+    AttnWindow const window = seq.window(params);
+    KeyBlockWork const work{blk, seq, window, BlockRange<kBlockM, kBlockN>::m_blocks(window, blk.block)};
+    bool const has_work = work.iterations(params) > 0;
+
+    if (tid == 0) {
+        cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full, 1);
+        shared.q_ring.init(Traits::kConsumerThreads / 32);
+        shared.do_ring.init(Traits::kConsumerThreads / 32);
+        cutlass::arch::fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (tid < 128) {
+        cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+        int const warp = tid / 32;
+        if (warp == 0 && has_work && cute::elect_one_sync()) { load_bwd<Traits>(args, shared, work); }
+        if (warp == 1 && has_work) { store_dq<Traits>(params, shared, work, reverse, tid % 32); }
+        return;
+    }
+
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    int const ctid = tid - 128;
+    typename Traits::TiledMmadKV mma_dkv;
+    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    clear(acc_dk);
+    clear(acc_dv);
+    if (has_work) { consume_bwd<Traits>(params, shared, work, ctid, acc_dk, acc_dv); }
+
+    // A key block that no query sees stores zeros.
+    store_key_gradient<Traits>(acc_dk, params.softmax_scale, params, seq, blk, params.dk, params.dk_batch_stride,
+                               params.dk_row_stride, params.dk_head_stride, ctid);
+    store_key_gradient<Traits>(acc_dv, 1.f, params, seq, blk, params.dv, params.dv_batch_stride, params.dv_row_stride,
+                               params.dv_head_stride, ctid);
+}
+
+}  // namespace flash::sm90

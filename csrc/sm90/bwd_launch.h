@@ -1,0 +1,84 @@
+// SM90-tier backward launch: the tile per head dim, the workspace (the SM80 tier's rows, in this tier's fragment
+// order, with the row statistics per accumulator row), TMA descriptors built on the host, and the three kernels in
+// order: D and lse2 per query tile, the main kernel (dK, dV, and dQ into the fp32 workspace), the dQ conversion.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/block_scheduler.h"
+#include "../common/bwd_workspace.h"
+#include "../common/kernel_registry.h"
+#include "../common/kernels/bwd_preprocess.h"
+#include "../common/params.h"
+#include "bwd_convert_dq.h"
+#include "bwd_kernel.h"
+#include "tile_traits.h"
+
+namespace flash::sm90 {
+
+template <class Traits>
+cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    bool const varlen = params.cu_seqlens_q != nullptr;
+    int const entries = tensor_batches(params);
+    int64_t const main_blocks = tile_count(params.sk, params.b, kBlockN, varlen) * params.hk;
+    int64_t const convert_blocks = tile_count(params.sq, params.b, kBlockM, varlen) * params.h;
+    if (main_blocks > INT_MAX || convert_blocks > INT_MAX) {
+        return cudaErrorInvalidConfiguration;
+    }
+
+    bwd_preprocess_tiles_kernel<Element, kBlockM>
+        <<<unsigned(convert_blocks), kPreprocessWarps * 32, 0, stream>>>(params);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
+
+    auto gmem = [&](void const* ptr, int rows_, int heads, int64_t row_stride, int64_t head_stride,
+                    int64_t batch_stride) {
+        return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_shape(rows_, params.d, heads, entries),
+                           make_stride(row_stride, _1{}, head_stride, batch_stride));
+    };
+    auto tma_rows = [&](auto const& g, auto smem_layout, auto tile) {
+        return make_tma_copy(SM90_TMA_LOAD{}, g, smem_layout, tile, _1{});
+    };
+    BwdKernelParams<Traits> args{
+        params,
+        tma_rows(gmem(params.q, params.sq, params.h, params.q_row_stride, params.q_head_stride, params.q_batch_stride),
+                 take<0, 2>(typename Traits::SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}),
+        tma_rows(gmem(params.dout, params.sq, params.h, params.do_row_stride, params.do_head_stride,
+                      params.do_batch_stride),
+                 take<0, 2>(typename Traits::SmemLayoutdO{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}),
+        tma_rows(gmem(params.k, params.sk, params.hk, params.k_row_stride, params.k_head_stride, params.k_batch_stride),
+                 typename Traits::SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}),
+        tma_rows(gmem(params.v, params.sk, params.hk, params.v_row_stride, params.v_head_stride, params.v_batch_stride),
+                 typename Traits::SmemLayoutV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{})};
+
+    constexpr int kSmem = Traits::kSmemBytes;
+    if (cudaError_t err = allow_smem<&bwd_kernel<Traits>>(kSmem, hints.device); err != cudaSuccess) { return err; }
+    bwd_kernel<Traits><<<unsigned(main_blocks), Traits::kNThreads, kSmem, stream>>>(args);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
+
+    bwd_convert_dq_kernel<Traits><<<unsigned(convert_blocks), Traits::kConsumerThreads, 0, stream>>>(params);
+    return cudaGetLastError();
+}
+
+// Tiles: 64 query rows by 128 keys (64 per consumer warpgroup), Q and dO double-buffered. Accumulators per consumer
+// thread: dK + dV kHeadDim, S^T + dP^T 64, dQ kHeadDim / 4.
+template <int kHeadDim, typename Element>
+cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "no SM90 backward tile for this head dim");
+    BwdParams const bound = BwdWorkspace(params, kHeadDim, true).bind(params, workspace);
+    return launch_bwd<BwdTraits<kHeadDim, BwdTile{.block_m = 64, .block_n = 128, .q_stages = 2, .do_stages = 2},
+                                Element>>(bound, hints, stream);
+}
+
+template <int kHeadDim, typename Element, typename ElementOut>
+KernelDescriptor<BwdParams> bwd_descriptor() {
+    static_assert(std::is_same_v<Element, ElementOut>, "the SM90 backward writes gradients in the input dtype");
+    return {&unsupported_head_dim<kHeadDim, BwdParams>, &bwd_workspace<kHeadDim, true>, &run_bwd<kHeadDim, Element>};
+}
+
+}  // namespace flash::sm90

@@ -1,0 +1,408 @@
+// SM90-tier backward main loop, by role. The CTA owns kBlockN keys of one kv head; K and V arrive once by TMA. The
+// producer streams, for every query head of the GQA group and every query block that sees the keys, Q with its lse
+// (log2 units) and dO with its D through two rings; the store warp adds each block's dQ into the workspace. Each consumer warpgroup owns 64 of the keys and runs, per
+// query block:
+//     S^T = K Q^T, dP^T = V dO^T issued                         (keys on wgmma's M, both from shared memory)
+//     wait for S^T; P = exp2(S^T - lse), masked                  (overlaps the dP GEMM)
+//     wait for dP^T; dS = P (dP - D)
+//     dV += P^T dO issued (P from registers); dS^T to shared memory; barrier of both warpgroups
+//     dK += dS^T Q (dS from registers) and dQ = dS K (its half of the head dim) issued
+//     wait; release Q and dO; dQ to shared memory, for the store warp to add into the fp32 workspace
+// The softmax scale is applied once, to dK in the epilogue and to dQ in the conversion kernel.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include <cmath>
+
+#include "../common/block_range.h"
+#include "../common/bwd_workspace.h"
+#include "../common/fragment.h"
+#include "../common/mask.h"
+#include "../common/params.h"
+#include "../common/score_mod.h"
+#include "../common/seqlen.h"
+#include "gemm.h"
+#include "pipeline.h"
+#include "tile_traits.h"
+
+namespace flash::sm90 {
+
+using namespace cute;
+
+template <class Traits>
+struct BwdKernelParams {
+    BwdParams p;
+    typename Traits::TmaQ tma_q;
+    typename Traits::TmaQ tma_do;
+    typename Traits::TmaK tma_k;
+    typename Traits::TmaV tma_v;
+};
+
+// The CTA's work: key block blk.block of kv head blk.head in sequence blk.batch, and the query blocks m_range that see
+// it (in every query head of the group).
+struct KeyBlockWork {
+    TileCoord blk;
+    SeqlenInfo seq;
+    AttnWindow window;
+    Interval m_range;
+
+    __device__ __forceinline__ int iterations(BwdParams const& params) const {
+        return (m_range.hi - m_range.lo) * params.h_per_hk;
+    }
+};
+
+// Steps through the (query head, query block) pairs of a KeyBlockWork, blocks fastest, without divisions.
+struct QueryBlockCursor {
+    int head, m_block, lo, hi;
+
+    __device__ __forceinline__ void advance() {
+        if (++m_block == hi) {
+            m_block = lo;
+            ++head;
+        }
+    }
+};
+
+// A (rows, cols) register view read as (cols, rows).
+template <class Tensor_>
+__device__ __forceinline__ auto transposed(Tensor_&& t) {
+    return make_tensor(t.data(), select<1, 0>(t.layout()));
+}
+
+__device__ __forceinline__ void bulk_reduce_add(float* gmem, float const* smem, int bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem),
+                 "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
+                 : "memory");
+}
+
+// Waits until this thread's bulk operations have completed, writes included (wait_group.read only covers reads).
+__device__ __forceinline__ void bulk_wait_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Producer (one thread): K and V once, then Q with its lse2 and dO with its D for every (head, query block), in the
+// consumers' order, each on its stage's one transaction barrier.
+template <class Traits>
+__device__ __forceinline__ void load_bwd(BwdKernelParams<Traits> const& args, typename Traits::SharedStorage& shared,
+                                         KeyBlockWork const& work) {
+    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    constexpr int kStatsBytes = kBlockM * int(sizeof(float));
+    BwdParams const& params = args.p;
+    SeqlenInfo const& seq = work.seq;
+    int const entry = params.cu_seqlens_q == nullptr ? seq.batch : 0;
+    int const batches = tensor_batches(params);
+    Tensor mQ = args.tma_q.get_tma_tensor(make_shape(params.sq, params.d, params.h, batches));
+    Tensor mdO = args.tma_do.get_tma_tensor(make_shape(params.sq, params.d, params.h, batches));
+    Tensor mK = args.tma_k.get_tma_tensor(make_shape(params.sk, params.d, params.hk, batches));
+    Tensor mV = args.tma_v.get_tma_tensor(make_shape(params.sk, params.d, params.hk, batches));
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutdO{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
+    auto tma_q = args.tma_q.get_slice(_0{});
+    auto tma_do = args.tma_do.get_slice(_0{});
+    auto tma_k = args.tma_k.get_slice(_0{});
+    auto tma_v = args.tma_v.get_slice(_0{});
+
+    auto key_tile = [&](auto const& m) {
+        return local_tile(domain_offset(make_coord(seq.k.start, _0{}), m(_, _, work.blk.head, entry)),
+                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(work.blk.block, _0{}));
+    };
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.kv_full, 2 * Traits::kKVBytes);
+    copy(args.tma_k.with(shared.kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_k.partition_S(key_tile(mK)),
+         tma_k.partition_D(sK));
+    copy(args.tma_v.with(shared.kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_v.partition_S(key_tile(mV)),
+         tma_v.partition_D(sV));
+
+    // Q and dO are read by every key block of their head: keep them in L2.
+    constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
+    Tensor tQsQ = tma_q.partition_D(sQ);  // (TMA, 1, 1, stage)
+    Tensor tdOsdO = tma_do.partition_D(sdO);
+    RingState<Traits::kQStages> q_state;
+    RingState<Traits::kdOStages> do_state;
+    QueryBlockCursor cur{work.blk.head * params.h_per_hk, work.m_range.lo, work.m_range.lo, work.m_range.hi};
+    int const iters = work.iterations(params);
+    for (int it = 0; it < iters; ++it, cur.advance()) {
+        auto query_tile = [&](auto const& m) {
+            return local_tile(domain_offset(make_coord(seq.q.start, _0{}), m(_, _, cur.head, entry)),
+                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(cur.m_block, _0{}));
+        };
+        int64_t const stats_row = dq_accum_row(params, seq, cur.head) + cur.m_block * kBlockM;
+
+        uint64_t& q_full = shared.q_ring.acquire(q_state, Traits::kQBytes + kStatsBytes);
+        copy(args.tma_q.with(q_full, 0, kKeep), tma_q.partition_S(query_tile(mQ)), tQsQ(_, _, _, q_state.index));
+        SM90_BULK_COPY_G2S::copy(params.lse2 + stats_row, &q_full, shared.lse2[q_state.index], kStatsBytes);
+        q_state.advance();
+
+        uint64_t& do_full = shared.do_ring.acquire(do_state, Traits::kQBytes + kStatsBytes);
+        copy(args.tma_do.with(do_full, 0, kKeep), tma_do.partition_S(query_tile(mdO)),
+             tdOsdO(_, _, _, do_state.index));
+        SM90_BULK_COPY_G2S::copy(params.dpsum + stats_row, &do_full, shared.dpsum[do_state.index], kStatsBytes);
+        do_state.advance();
+    }
+}
+
+// A consumer warpgroup's dQ staging buffer, between the warpgroup (128 threads) and the store warp (32): named
+// barriers, so that neither side spins.
+template <class Traits>
+struct DqStaging {
+    int wg;
+    static constexpr uint32_t kThreads = 128 + 32;
+
+    __device__ __forceinline__ uint32_t full_id() const { return uint32_t(BwdBarrierId::kDqFull0) + wg; }
+    __device__ __forceinline__ uint32_t empty_id() const { return uint32_t(BwdBarrierId::kDqEmpty0) + wg; }
+    // Consumers.
+    __device__ __forceinline__ void wait_empty() const {
+        cutlass::arch::NamedBarrier::arrive_and_wait(kThreads, empty_id());
+    }
+    __device__ __forceinline__ void mark_full() const { cutlass::arch::NamedBarrier::arrive(kThreads, full_id()); }
+    // Store warp.
+    __device__ __forceinline__ void wait_full() const {
+        cutlass::arch::NamedBarrier::arrive_and_wait(kThreads, full_id());
+    }
+    __device__ __forceinline__ void mark_empty() const { cutlass::arch::NamedBarrier::arrive(kThreads, empty_id()); }
+};
+
+// Store warp: adds each consumer warpgroup's staged dQ of every (head, query block) into the fp32 workspace with one
+// bulk reduction (lane 0 issues it). Deterministic, the key blocks of a query block add in launch order, counted by
+// its semaphore (see the SM80 tier's DqOrder); each warpgroup counts once, and its part of the tile is its own. Only
+// this warp waits for the semaphore: the consumers stall only if their next dQ finds the buffer still unread.
+template <class Traits>
+__device__ __forceinline__ void store_dq(BwdParams const& params, typename Traits::SharedStorage& shared,
+                                         KeyBlockWork const& work, bool reverse, int lane) {
+    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    constexpr int kWarpGroups = Traits::kConsumerWarpGroups;
+    constexpr int kBytes = Traits::kdQChunkFloats * int(sizeof(float));
+    using Range = BlockRange<kBlockM, kBlockN>;
+    QueryBlockCursor cur{work.blk.head * params.h_per_hk, work.m_range.lo, work.m_range.lo, work.m_range.hi};
+    int const iters = work.iterations(params);
+    CUTE_UNROLL
+    for (int wg = 0; wg < kWarpGroups; ++wg) { DqStaging<Traits>{wg}.mark_empty(); }
+    for (int it = 0; it < iters; ++it, cur.advance()) {
+        int64_t const dq_row = dq_accum_row(params, work.seq, cur.head) + cur.m_block * kBlockM;
+        int* semaphore = nullptr;
+        int rank = 0;
+        if (params.deterministic) {
+            semaphore = params.dq_semaphore + dq_row / kBlockM;
+            Interval const n_range = Range::n_blocks(work.window, cur.m_block);
+            rank = reverse ? n_range.hi - 1 - work.blk.block : work.blk.block - n_range.lo;
+        }
+        CUTE_UNROLL
+        for (int wg = 0; wg < kWarpGroups; ++wg) {
+            DqStaging<Traits> const staging{wg};
+            staging.wait_full();
+            if (lane == 0) {
+                float const* chunk = shared.dq.data() + wg * Traits::kdQChunkFloats;
+                float* dst = params.dq_accum + dq_row * kHeadDim + wg * Traits::kdQChunkFloats;
+                if (params.deterministic) {
+                    while (load_acquire(semaphore) < kWarpGroups * rank) {}
+                    bulk_reduce_add(dst, chunk, kBytes);
+                    tma_store_arrive();
+                    bulk_wait_complete();
+                    __threadfence();
+                    atomicAdd(semaphore, 1);
+                } else {
+                    bulk_reduce_add(dst, chunk, kBytes);
+                    tma_store_arrive();
+                    tma_store_wait<0>();  // the buffer has been read
+                }
+            }
+            __syncwarp();
+            if (it + 1 < iters) { staging.mark_empty(); }
+        }
+    }
+}
+
+// Zeroes rows [rows_left, rows) of a (rows, head dim) shared tile: rows that hold another sequence's data or, past
+// seqused, anything (0 * NaN is NaN). The consumers share the work; the caller fences and synchronises.
+template <class Traits, class SmemTile>
+__device__ __forceinline__ void zero_tail_rows(SmemTile&& s, int rows_left, int ctid) {
+    constexpr int kRows = decltype(size<0>(s))::value, kCols = decltype(size<1>(s))::value;
+    for (int idx = max(rows_left, 0) * kCols + ctid; idx < kRows * kCols; idx += Traits::kConsumerThreads) {
+        s(idx / kCols, idx % kCols) = typename Traits::Element(0);
+    }
+}
+
+// Consumer warpgroups (ctid: thread index among them): accumulate this CTA's dK and dV (unscaled) in registers, and
+// add each query block's dQ into the workspace.
+template <class Traits, class AccKV>
+__device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Traits::SharedStorage& shared,
+                                            KeyBlockWork const& work, int ctid, AccKV& acc_dk, AccKV& acc_dv) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    constexpr int kConsumerThreads = Traits::kConsumerThreads;
+    using Range = BlockRange<kBlockM, kBlockN>;
+    SeqlenInfo const& seq = work.seq;
+    AttnWindow const& window = work.window;
+    int const n_block = work.blk.block;
+
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutdO{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdS{});
+    Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutdOt{});
+    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSt{});
+
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    // Shared-memory operands are sliced per warpgroup from a warp-uniform index, so that their descriptors live in
+    // uniform registers.
+    int const wg = __shfl_sync(0xffffffff, ctid / 128, 0);
+    int const wg_tid = ctid % 128;
+    auto wg_sdp = mma_sdp.get_slice(wg * 128);
+    auto wg_dkv = mma_dkv.get_slice(wg * 128);
+    auto wg_dq = mma_dq.get_slice(wg * 128);
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (MMA, MMA_N, MMA_K, stage)
+    Tensor tdPrV = wg_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = wg_sdp.partition_fragment_B(sdO);   // (MMA, MMA_N, MMA_K, stage)
+    Tensor tdVrdOt = wg_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor tdKrQt = wg_dkv.partition_fragment_B(sQt);    // (MMA, MMA_N, MMA_K, stage)
+    Tensor tdQrdS = wg_dq.partition_fragment_A(sdSt);    // (MMA, MMA_M, MMA_K, buffer)
+    Tensor tdQrKt = wg_dq.partition_fragment_B(sKt);
+
+    typename Traits::SmemCopydS copy_ds;
+    auto thr_copy_ds = copy_ds.get_thread_slice(ctid);
+    Tensor tdSsdS = thr_copy_ds.partition_D(sdS);  // (CPY, CPY_M, CPY_N, buffer)
+
+    // This thread's scores seen as (query, key), with (query, key) coordinates in the tile, for the mask and ALiBi.
+    auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+    Tensor coord_qk = transposed(rowcol_view(thr_sdp.partition_C(make_tensor(
+        make_inttuple_iter(make_tuple(_0{}, _0{})), make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, make_stride(E<1>{}, E<0>{}))))));
+    using AccSLayout = decltype(partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{}).layout());
+    constexpr int kCols = decltype(size<0>(coord_qk))::value;  // queries of this thread
+
+    int const sq = seq.q.len;
+    int const col0 = n_block * kBlockN;
+    bool const has_mods = params.has_softcap || params.alibi_slopes != nullptr;
+    // Rows of a partial block that belong to another sequence or lie past seqused, in the tensors.
+    bool const foreign_q = params.cu_seqlens_q != nullptr || params.seqused_q != nullptr;
+    bool const foreign_k = params.cu_seqlens_k != nullptr || params.seqused_k != nullptr;
+
+    cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
+    if (foreign_k && col0 + kBlockN > seq.k.len) {
+        zero_tail_rows<Traits>(sK, seq.k.len - col0, ctid);
+        zero_tail_rows<Traits>(sV, seq.k.len - col0, ctid);
+        cutlass::arch::fence_view_async_shared();
+        sync_consumers<kConsumerThreads>();
+    }
+
+    RingState<Traits::kQStages> q_state;
+    RingState<Traits::kdOStages> do_state;
+    QueryBlockCursor cur{work.blk.head * params.h_per_hk, work.m_range.lo, work.m_range.lo, work.m_range.hi};
+    int const iters = work.iterations(params);
+
+    auto step = [&](int it, auto mods) __attribute__((always_inline)) {
+        int const row0 = cur.m_block * kBlockM;
+        int const buf = it % 2;
+        if (foreign_q && row0 + kBlockM > sq) {
+            shared.q_ring.wait(q_state);
+            shared.do_ring.wait(do_state);
+            zero_tail_rows<Traits>(sQ(_, _, q_state.index), sq - row0, ctid);
+            zero_tail_rows<Traits>(sdO(_, _, do_state.index), sq - row0, ctid);
+            cutlass::arch::fence_view_async_shared();
+            sync_consumers<kConsumerThreads>();
+        }
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        shared.q_ring.wait(q_state);
+        gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_state.index), acc_s);
+        shared.do_ring.wait(do_state);
+        gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, do_state.index), acc_dp);
+
+        auto s_rc = rowcol_view(acc_s);    // (key, query)
+        auto dp_rc = rowcol_view(acc_dp);
+        auto s_qk = transposed(s_rc);      // (query, key)
+        auto dp_qk = transposed(dp_rc);
+        float const* dpsum = shared.dpsum[do_state.index];
+        if constexpr (decltype(mods)::value) {
+            // dS = P (dP - D) (1 - tanh^2): D comes off before the tanh derivative, which is taken before any mask
+            // makes S -inf (dS is taken w.r.t. q.k).
+            warpgroup_wait<0>();
+            CUTE_UNROLL
+            for (int c = 0; c < kCols; ++c) {
+                float const d = dpsum[get<0>(coord_qk(c, 0))];
+                CUTE_UNROLL
+                for (int k = 0; k < size<1>(dp_qk); ++k) { dp_qk(c, k) -= d; }
+            }
+            if (params.has_softcap) {
+                apply_softcap(acc_s, params.softcap_pre);
+                CUTE_UNROLL
+                for (int i = 0; i < size(acc_s); ++i) { acc_dp(i) *= 1.f - acc_s(i) * acc_s(i); }
+            }
+            if (params.alibi_slopes != nullptr) {
+                float const slope =
+                    params.alibi_slopes[seq.batch * params.alibi_batch_stride + cur.head] / params.logit_scale;
+                apply_alibi(s_qk, coord_qk, row0, col0, window.diag_offset(), slope);
+            }
+        } else {
+            warpgroup_wait<1>();  // S^T is done (wgmma batches complete in order)
+        }
+        // Keys past sk are masked too: their zero scores would give P = exp2(-lse) > 0.
+        if (Range::needs_mask(window, cur.m_block, n_block)) { apply_mask(s_qk, coord_qk, window, row0, col0); }
+        float const* lse2 = shared.lse2[q_state.index];
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+            float const l = lse2[get<0>(coord_qk(c, 0))];
+            CUTE_UNROLL
+            for (int k = 0; k < size<1>(s_qk); ++k) { s_qk(c, k) = exp2f(s_qk(c, k) * params.scale_log2 - l); }
+        }
+        Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(AccSLayout{}));
+        convert_fragment_into(acc_s, tdVrP);
+        if constexpr (!decltype(mods)::value) { warpgroup_wait<0>(); }  // dP^T is done
+        gemm<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, do_state.index), acc_dv);
+
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+            float const d = decltype(mods)::value ? 0.f : dpsum[get<0>(coord_qk(c, 0))];
+            CUTE_UNROLL
+            for (int k = 0; k < size<1>(dp_qk); ++k) { dp_qk(c, k) = s_qk(c, k) * (dp_qk(c, k) - d); }
+        }
+        // dS in accumulator order: the registers of the dK GEMM's A operand, and stmatrix's source.
+        Tensor r_ds = make_tensor<Element>(AccSLayout{});
+        convert_fragment_into(acc_dp, r_ds);
+        copy(copy_ds, thr_copy_ds.retile_S(r_ds), tdSsdS(_, _, _, buf));
+        cutlass::arch::fence_view_async_shared();
+        sync_consumers<kConsumerThreads>();  // both warpgroups' dS are in shared memory
+
+        Tensor tdKrdS = make_tensor(r_ds.data(), acc_as_a_operand(AccSLayout{}));
+        gemm<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
+        gemm<true>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
+        warpgroup_wait<1>();  // dV and dK are done: Q and dO are free
+        shared.q_ring.release(q_state);
+        q_state.advance();
+        shared.do_ring.release(do_state);
+        do_state.advance();
+        warpgroup_wait<0>();
+
+        // dQ to this warpgroup's staging buffer, once the store warp has read the previous one out of it.
+        DqStaging<Traits> const staging{wg};
+        staging.wait_empty();
+        float* chunk = shared.dq.data() + wg * Traits::kdQChunkFloats;
+        static_assert(decltype(size(acc_dq))::value * 128 == Traits::kdQChunkFloats);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); i += 4) {
+            *reinterpret_cast<float4*>(chunk + dq_workspace_index<128>(i, wg_tid)) =
+                make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
+        }
+        cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk reduction
+        staging.mark_full();
+    };
+
+    auto query_loop = [&](auto mods) __attribute__((always_inline)) {
+        for (int it = 0; it < iters; ++it, cur.advance()) { step(it, mods); }
+    };
+    if (has_mods) {
+        query_loop(cute::true_type{});
+    } else {
+        query_loop(cute::false_type{});
+    }
+}
+
+}  // namespace flash::sm90
