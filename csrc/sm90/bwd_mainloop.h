@@ -163,10 +163,10 @@ struct DqStaging {
     __device__ __forceinline__ void mark_empty() const { cutlass::arch::NamedBarrier::arrive(kThreads, empty_id()); }
 };
 
-// Store warp: adds each consumer warpgroup's staged dQ of every (head, query block) into the fp32 workspace with one
-// bulk reduction (lane 0 issues it). Deterministic, the key blocks of a query block add in launch order, counted by
-// its semaphore (see the SM80 tier's DqOrder); each warpgroup counts once, and its part of the tile is its own. Only
-// this warp waits for the semaphore: the consumers stall only if their next dQ finds the buffer still unread.
+// Store warp: adds the consumer warpgroups' staged dQ of every (head, query block) into the fp32 workspace, one bulk
+// reduction per warpgroup (lane 0 issues them). Deterministic, the key blocks of a query block add in launch order,
+// counted by its semaphore (see the SM80 tier's DqOrder); only this warp waits for it, so the consumers stall only if
+// their next dQ finds the buffer still unread.
 template <class Traits>
 __device__ __forceinline__ void store_dq(BwdParams const& params, typename Traits::SharedStorage& shared,
                                          KeyBlockWork const& work, bool reverse, int lane) {
@@ -180,35 +180,35 @@ __device__ __forceinline__ void store_dq(BwdParams const& params, typename Trait
     for (int wg = 0; wg < kWarpGroups; ++wg) { DqStaging<Traits>{wg}.mark_empty(); }
     for (int it = 0; it < iters; ++it, cur.advance()) {
         int64_t const dq_row = dq_accum_row(params, work.seq, cur.head) + cur.m_block * kBlockM;
-        int* semaphore = nullptr;
-        int rank = 0;
-        if (params.deterministic) {
-            semaphore = params.dq_semaphore + dq_row / kBlockM;
-            Interval const n_range = Range::n_blocks(work.window, cur.m_block);
-            rank = reverse ? n_range.hi - 1 - work.blk.block : work.blk.block - n_range.lo;
-        }
         CUTE_UNROLL
-        for (int wg = 0; wg < kWarpGroups; ++wg) {
-            DqStaging<Traits> const staging{wg};
-            staging.wait_full();
-            if (lane == 0) {
-                float const* chunk = shared.dq.data() + wg * Traits::kdQChunkFloats;
-                float* dst = params.dq_accum + dq_row * kHeadDim + wg * Traits::kdQChunkFloats;
-                if (params.deterministic) {
-                    while (load_acquire(semaphore) < kWarpGroups * rank) {}
-                    bulk_reduce_add(dst, chunk, kBytes);
-                    tma_store_arrive();
-                    bulk_wait_complete();
-                    __threadfence();
-                    atomicAdd(semaphore, 1);
-                } else {
-                    bulk_reduce_add(dst, chunk, kBytes);
-                    tma_store_arrive();
-                    tma_store_wait<0>();  // the buffer has been read
-                }
+        for (int wg = 0; wg < kWarpGroups; ++wg) { DqStaging<Traits>{wg}.wait_full(); }
+        if (lane == 0) {
+            int* semaphore = nullptr;
+            if (params.deterministic) {
+                Interval const n_range = Range::n_blocks(work.window, cur.m_block);
+                int const rank = reverse ? n_range.hi - 1 - work.blk.block : work.blk.block - n_range.lo;
+                semaphore = params.dq_semaphore + dq_row / kBlockM;
+                while (load_acquire(semaphore) < rank) {}
             }
-            __syncwarp();
-            if (it + 1 < iters) { staging.mark_empty(); }
+            CUTE_UNROLL
+            for (int wg = 0; wg < kWarpGroups; ++wg) {
+                bulk_reduce_add(params.dq_accum + dq_row * kHeadDim + wg * Traits::kdQChunkFloats,
+                                shared.dq.data() + wg * Traits::kdQChunkFloats, kBytes);
+            }
+            tma_store_arrive();
+            if (params.deterministic) {
+                // The count moves on only once the additions have landed.
+                bulk_wait_complete();
+                __threadfence();
+                atomicAdd(semaphore, 1);
+            } else {
+                tma_store_wait<0>();  // the buffers have been read
+            }
+        }
+        __syncwarp();
+        if (it + 1 < iters) {
+            CUTE_UNROLL
+            for (int wg = 0; wg < kWarpGroups; ++wg) { DqStaging<Traits>{wg}.mark_empty(); }
         }
     }
 }
@@ -375,9 +375,9 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
         gemm<true>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
         warpgroup_wait<1>();  // dV and dK are done: Q and dO are free
-        shared.q_ring.release(q_state);
+        shared.q_ring.release_after_loads(q_state);  // lse2
         q_state.advance();
-        shared.do_ring.release(do_state);
+        shared.do_ring.release_after_loads(do_state);  // D
         do_state.advance();
         warpgroup_wait<0>();
 

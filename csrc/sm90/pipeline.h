@@ -53,6 +53,13 @@ struct TmaRing {
     __device__ __forceinline__ void release(RingState<kStages> const& s) {
         if (cute::elect_one_sync()) { cutlass::arch::ClusterBarrier::arrive(&empty[s.index]); }
     }
+
+    // The same for a warp whose lanes also read the stage with plain loads: the warp barrier orders every lane's
+    // loads before the one lane's arrival (wgmma reads need none: the warpgroup's wait completes them).
+    __device__ __forceinline__ void release_after_loads(RingState<kStages> const& s) {
+        __syncwarp();
+        release(s);
+    }
 };
 
 // Named barrier ids (after CUTLASS's reserved ones): the consumers', one GEMM turn and one epilogue barrier per
