@@ -264,6 +264,24 @@ def test_loss_sum_backward():
         assert torch.isfinite(g).all() and torch.equal(g, g_ones), name
 
 
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+def test_dout_broadcast_over_batch(d):
+    """A dout that is one (seqlen, heads, d) tensor broadcast over the batch (batch stride 0, unit last stride: the
+    binding passes it to the kernel as it is, TMA descriptors included) gives the gradients of its contiguous copy,
+    bit for bit in deterministic mode."""
+    require_kernel(d, bf16, "bwd")
+    q, k, v, _ = make_inputs(Case(bf16, d, 300, 260, heads="gqa"))
+    dout = torch.randn(q.shape[1:], dtype=bf16, device="cuda").expand(q.shape)
+    assert dout.stride(0) == 0
+    grads = []
+    for g in (dout, dout.contiguous()):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=True, deterministic=True)
+        grads.append(torch.autograd.grad(out, leaves, g))
+    for name, g, g_copy in zip(("dq", "dk", "dv"), *grads):
+        assert torch.isfinite(g).all() and torch.equal(g, g_copy), name
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
 def test_deterministic(d, causal):

@@ -129,6 +129,10 @@ __device__ __forceinline__ void load_bwd(BwdKernelParams<Traits> const& args, ty
         };
         int64_t const stats_row = dq_accum_row(params, seq, cur.head) + cur.m_block * kBlockM;
 
+        // The statistics are the only ring data that consumers read with plain loads. compute-sanitizer's racecheck
+        // reports those loads against these bulk copies: it takes the copy's write to happen at its issue, after this
+        // thread's arrival on the full barrier, while the bytes in fact complete that barrier's transaction count,
+        // which the consumers wait for (and they release the stage only after a warp barrier behind their loads).
         uint64_t& q_full = shared.q_ring.acquire(q_state, Traits::kQBytes + kStatsBytes);
         copy(args.tma_q.with(q_full, 0, kKeep), tma_q.partition_S(query_tile(mQ)), tQsQ(_, _, _, q_state.index));
         SM90_BULK_COPY_G2S::copy(params.lse2 + stats_row, &q_full, shared.lse2[q_state.index], kStatsBytes);
