@@ -6,7 +6,7 @@
 Afterwards, in this process, `flash_attn` and `flash_attn.flash_attn_interface` are flash-attn 2's functions (this
 package's flash_attention module), `flash_attn.bert_padding` is flash_attention.bert_padding and `flash_attn.cute`
 (also as `flash_attn.cute.interface`) is flash_attention.cute. Nothing else of flash-attn is there (its layers,
-modules, ops and `flash_attn_2_cuda`); `flash_attn_with_kvcache` exists but raises NotImplementedError. No
+modules, ops and `flash_attn_2_cuda`); `flash_attn_with_kvcache` is flash_attention's (flash_attention.kvcache). No
 distribution named flash-attn is registered, so importlib.metadata, and libraries that check it (such as
 transformers' is_flash_attn_2_available), still see none: use flash_attention.integrations.transformers there.
 
@@ -18,7 +18,7 @@ import importlib.util
 import sys
 import types
 
-from . import bert_padding, cute, interface
+from . import bert_padding, cute, interface, kvcache
 
 # The flash-attn 2 release whose signatures flash_attention's functions follow, so that callers' version checks
 # (flash-attn 2.1 moved causal masks to the bottom-right alignment that this package uses) take its path.
@@ -26,14 +26,6 @@ FLASH_ATTN_VERSION = "2.8.4"
 
 _FUNCTIONS = ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
               "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func")
-
-
-def flash_attn_with_kvcache(*args, **kwargs):
-    """flash-attn 2's flash_attn_with_kvcache, which this package does not implement yet."""
-    raise NotImplementedError(
-        "flash_attn_with_kvcache is not implemented by flash-attention-cute yet; for a KV cache filled to different "
-        "lengths, flash_attention.flash_attn_varlen_func with seqused_k serves the attention itself"
-    )
 
 
 def _module(name: str, source: types.ModuleType, functions) -> types.ModuleType:
@@ -48,7 +40,7 @@ def _module(name: str, source: types.ModuleType, functions) -> types.ModuleType:
 
 def _flash_attn_2_module(name: str) -> types.ModuleType:
     module = _module(name, interface, _FUNCTIONS)
-    module.flash_attn_with_kvcache = flash_attn_with_kvcache
+    module.flash_attn_with_kvcache = kvcache.flash_attn_with_kvcache
     return module
 
 

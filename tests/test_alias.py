@@ -50,8 +50,7 @@ def test_imports_resolve_here(clean_modules):
                                                           bert_padding.index_first_axis)
     assert (fa4_func, fa4_varlen_func) == (cute.flash_attn_func, cute.flash_attn_varlen_func)
     assert flash_attn.cute.interface is cute and flash_attn.__version__ == alias.FLASH_ATTN_VERSION
-    with pytest.raises(NotImplementedError, match=r"flash_attn_with_kvcache is not implemented"):
-        flash_attn_with_kvcache()
+    assert flash_attn_with_kvcache is flash_attention.flash_attn_with_kvcache
     with pytest.raises(ModuleNotFoundError, match=r"flash_attn\.layers"):
         importlib.import_module("flash_attn.layers.rotary")
 

@@ -1,0 +1,220 @@
+"""flash-attn 2's flash_attn_with_kvcache, composed from this package's varlen attention and PyTorch ops.
+
+The new keys and values (rotary embedding applied to the keys) are written into the cache in place; a paged cache's
+pages, or the cache entries that cache_batch_idx selects, are gathered into a contiguous copy; the attention then runs
+as one varlen call over the cache's rows, its used length per sequence (cache_seqlens plus the new tokens, from
+cache_leftpad on) given as seqused_k. Nothing reads a tensor's values on the host, so a decode step can be captured in
+a CUDA graph and traced by torch.compile.
+
+Not yet native: paged K/V loads inside the kernels (the gather costs a copy of the used pages), split-KV and GQA
+packing (decode-shaped calls run one mostly empty query tile per sequence and head), and a fused append/rotary.
+num_splits is accepted and has no effect.
+"""
+
+from typing import Optional
+
+import torch
+
+from . import _checks, interface
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """x (batch, seqlen, nheads, head_dim) with its first 2 * cos.shape[1] dims rotated at positions (batch, seqlen)
+    (rows of cos and sin), in fp32; interleaved rotates pairs (0, 1), (2, 3), ..., else the two halves (GPT-NeoX)."""
+    half = cos.shape[1]
+    c = cos[positions].unsqueeze(2).float()  # (batch, seqlen, 1, half)
+    s = sin[positions].unsqueeze(2).float()
+    xr = x[..., : 2 * half].float()
+    if interleaved:
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]
+        rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    else:
+        x0, x1 = xr[..., :half], xr[..., half:]
+        rotated = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                          cache_leftpad, block_table):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor, got {type(t).__name__}"
+                             f"{'' if not isinstance(t, torch.Tensor) else ' of shape ' + str(tuple(t.shape))}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, "
+                             f"{t.device}")
+    b, _, h, d = q.shape
+    hk, dk = k_cache.shape[2], k_cache.shape[3]
+    if dk != d:
+        raise ValueError(f"k_cache's head dim must be q's ({d}), got {dk}")
+    if h % hk != 0:
+        raise ValueError(f"q's nheads ({h}) must be a multiple of k_cache's nheads_k ({hk})")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values), or neither")
+    int32_vectors = [("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)]
+    if isinstance(cache_seqlens, torch.Tensor):
+        int32_vectors.append(("cache_seqlens", cache_seqlens))
+    elif cache_seqlens is not None and (isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int)):
+        raise ValueError(f"cache_seqlens must be None, an int or an int32 tensor of shape ({b},), got "
+                         f"{type(cache_seqlens).__name__}")
+    for name, t in int32_vectors:
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.shape != (b,)
+                              or t.device != q.device):
+            raise ValueError(f"{name} must be an int32 tensor of shape ({b},) on q's device, got "
+                             f"{_describe(t)}")
+    if block_table is not None:
+        if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
+                or block_table.shape[0] != b or block_table.device != q.device):
+            raise ValueError(f"block_table must be an int32 tensor of shape ({b}, max_blocks) on q's device, got "
+                             f"{_describe(block_table)}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be used with block_table (a paged cache)")
+    elif cache_batch_idx is None and k_cache.shape[0] < b:
+        raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, fewer than q's batch ({b}); pass "
+                         f"cache_batch_idx to select them")
+    cache_len = _cache_len(k_cache, block_table)
+    if k is not None:
+        if k.dim() != 4 or k.shape[0] != b or k.shape[2:] != (hk, d) or v.shape != k.shape:
+            raise ValueError(f"k and v must be ({b}, seqlen_new, {hk}, {d}), got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+            raise ValueError("k and v must have q's dtype and device")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens must be given with new keys and values (where they are written)")
+        if k.shape[1] > cache_len:
+            raise ValueError(f"the cache ({cache_len} rows) is too short for the {k.shape[1]} new tokens")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together, or neither")
+    if rotary_cos is not None:
+        if (rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape or 2 * rotary_cos.shape[1] > d
+                or rotary_cos.device != q.device or rotary_sin.device != q.device):
+            raise ValueError(f"rotary_cos and rotary_sin must be (seqlen_ro, rotary_dim / 2) on q's device with "
+                             f"rotary_dim <= head_dim ({d}), got {tuple(rotary_cos.shape)} and "
+                             f"{tuple(rotary_sin.shape)}")
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
+
+
+def _cache_len(k_cache, block_table) -> int:
+    """Rows a sequence's cache can hold."""
+    return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+
+
+def _cache_rows(cache: torch.Tensor, block_table, cache_batch_idx, b: int) -> torch.Tensor:
+    """(b, cache_len, nheads_k, head_dim): each sequence's cache, a view when it already is one."""
+    if block_table is not None:
+        pages = block_table.long().clamp(0, cache.shape[0] - 1)
+        return cache[pages].flatten(1, 2)
+    if cache_batch_idx is not None:
+        return cache[cache_batch_idx.long().clamp(0, cache.shape[0] - 1)]
+    return cache[:b]
+
+
+def _append(cache: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, block_table, cache_batch_idx) -> None:
+    """Writes new (b, seqlen_new, ...) at cache rows `rows` (b, seqlen_new) of each sequence, in place."""
+    if block_table is not None:
+        page = cache.shape[1]
+        blocks = block_table.long().gather(1, rows // page).clamp(0, cache.shape[0] - 1)
+        cache[blocks, rows % page] = new
+    else:
+        b = new.shape[0]
+        batch = (cache_batch_idx.long().clamp(0, cache.shape[0] - 1) if cache_batch_idx is not None
+                 else torch.arange(b, device=new.device))
+        cache[batch[:, None], rows] = new
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    *,
+    tier: Optional[str] = None,
+):
+    """Attention of q against a KV cache, with flash-attn 2's semantics.
+
+    q: (batch, seqlen_q, nheads, head_dim). k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, head_dim), or
+    with block_table (int32 (batch, max_blocks): sequence i's rows j are at page block_table[i, j // page_size], row
+    j % page_size) (num_blocks, page_size, nheads_k, head_dim), any page size. cache_seqlens: the cache's filled
+    rows per sequence (int32 (batch,) or an int; None: all of them). k, v (batch, seqlen_new, nheads_k, head_dim):
+    new keys and values, written into the cache in place at rows cache_seqlens[i] onwards, then attended to.
+    cache_batch_idx (int32 (batch,)): the cache entry of each sequence (default 0..batch-1). cache_leftpad (int32
+    (batch,)): the first used row of each sequence's cache. rotary_cos/rotary_sin ((seqlen_ro, rotary_dim / 2)):
+    the new keys are rotated at their cache rows; q at rows cache_seqlens[i] + its row when causal or local, else
+    all at cache_seqlens[i]; interleaved (pairs) or not (halves), as rotary_interleaved says. Masks align
+    bottom-right with the used rows [cache_leftpad, cache_seqlens + seqlen_new). Values are not checked (that would
+    wait for the GPU): out-of-range ones are clamped to the tensors, which keeps every access in bounds but makes the
+    result unspecified.
+
+    Returns out (batch, seqlen_q, nheads, head_dim), and softmax_lse (batch, nheads, seqlen_q) fp32 when
+    return_softmax_lse.
+    """
+    _check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                          cache_leftpad, block_table)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 picks a count), got {num_splits!r}")
+    b, sq, h, d = q.shape
+    cache_len = _cache_len(k_cache, block_table)
+    if cache_seqlens is None:
+        cache_seqlens = cache_len
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+    filled = cache_seqlens.long().clamp(0, cache_len)
+    s_new = 0 if k is None else k.shape[1]
+    causal = _checks.as_flag(causal, "causal")
+    local = _checks.window_pair(window_size) != (-1, -1)
+
+    if k is not None:
+        rows = (filled[:, None] + torch.arange(s_new, device=q.device)).clamp(max=cache_len - 1)
+        if rotary_cos is not None:
+            k = apply_rotary(k, rotary_cos, rotary_sin, rows.clamp(max=rotary_cos.shape[0] - 1), rotary_interleaved)
+        _append(k_cache, k, rows, block_table, cache_batch_idx)
+        _append(v_cache, v, rows, block_table, cache_batch_idx)
+    if rotary_cos is not None:
+        steps = torch.arange(sq, device=q.device) if causal or local else torch.zeros(sq, dtype=torch.long,
+                                                                                         device=q.device)
+        positions = (filled[:, None] + steps).clamp(max=rotary_cos.shape[0] - 1)
+        q = apply_rotary(q, rotary_cos, rotary_sin, positions, rotary_interleaved)
+
+    keys = _cache_rows(k_cache, block_table, cache_batch_idx, b)
+    values = _cache_rows(v_cache, block_table, cache_batch_idx, b)
+    leftpad = (torch.zeros(b, dtype=torch.long, device=q.device) if cache_leftpad is None
+               else cache_leftpad.long().clamp(0, cache_len))
+    used = (filled + s_new).clamp(max=cache_len)
+    # Sequence i's keys are rows [i * cache_len + leftpad[i], ...) of the packed cache, of which it uses the first
+    # used[i] - leftpad[i].
+    starts = torch.arange(b + 1, device=q.device) * cache_len
+    cu_seqlens_k = torch.cat((starts[:-1] + leftpad, starts[-1:])).to(torch.int32)
+    seqused_k = (used - leftpad).clamp(min=0).to(torch.int32)
+    cu_seqlens_q = (torch.arange(b + 1, device=q.device) * sq).to(torch.int32)
+    out, lse, _ = interface.flash_attn_varlen_func(
+        q.reshape(b * sq, h, d), keys.reshape(b * cache_len, *keys.shape[2:]),
+        values.reshape(b * cache_len, *values.shape[2:]), cu_seqlens_q, cu_seqlens_k, sq, cache_len,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, return_attn_probs=True, seqused_k=seqused_k, tier=tier)
+    out = out.view(b, sq, h, d)
+    return (out, lse.view(h, b, sq).transpose(0, 1).contiguous()) if return_softmax_lse else out

@@ -1,0 +1,192 @@
+"""flash_attn_with_kvcache against a reference written from flash-attn 2's semantics (its own kvcache test's): the new
+keys (rotated) and values land in the cache in place at rows cache_seqlens onwards; q is rotated at cache_seqlens
+(+ its row when causal or local); the attention sees rows [cache_leftpad, cache_seqlens + seqlen_new), masks aligned
+bottom-right with them. The CPU tests run the composition around the attention with the reference in place of the
+kernels (conftest.py's stub_kernel); the cuda tests run it on the GPU against fp32."""
+
+import math
+
+import pytest
+import torch
+
+from flash_attention import flash_attn_with_kvcache
+from reference import attention_ref
+
+bf16 = torch.bfloat16
+
+
+def rotate(x, cos, sin, positions, interleaved):
+    """x rotated in its first 2 * cos.shape[1] dims at positions (b, s), as complex products (pairs, or the halves as
+    real and imaginary parts)."""
+    half = cos.shape[1]
+    xr = x[..., : 2 * half].double()
+    if interleaved:
+        z = torch.view_as_complex(xr.reshape(*xr.shape[:-1], half, 2).contiguous())
+    else:
+        z = torch.complex(xr[..., :half], xr[..., half:])
+    z = z * torch.complex(cos[positions].double(), sin[positions].double())[:, :, None, :]
+    rotated = torch.view_as_real(z).flatten(-2) if interleaved else torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def expected(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, causal, window, interleaved,
+             upcast=True):
+    """(out, lse, k_rows, v_rows): the reference's output and lse, and each sequence's cache rows after the append
+    ((b, cache_len, hk, d), contiguous caches only)."""
+    b, sq = q.shape[:2]
+    idx = batch_idx.long() if batch_idx is not None else torch.arange(b)
+    k_rows, v_rows = k_cache[idx].clone(), v_cache[idx].clone()
+    s_new = 0 if k is None else k.shape[1]
+    for i in range(b):
+        n = int(seqlens[i])
+        if k is not None:
+            positions = torch.arange(n, n + s_new)[None]
+            k_i = k[i:i + 1] if cos is None else rotate(k[i:i + 1], cos, sin, positions, interleaved)
+            k_rows[i, n:n + s_new] = k_i[0]
+            v_rows[i, n:n + s_new] = v[i]
+    if cos is not None:
+        steps = torch.arange(sq) if causal or window != (-1, -1) else torch.zeros(sq, dtype=torch.long)
+        q = rotate(q, cos, sin, seqlens.long()[:, None] + steps, interleaved)
+    outs, lses = [], []
+    for i in range(b):
+        lo = 0 if leftpad is None else int(leftpad[i])
+        hi = int(seqlens[i]) + s_new
+        out, lse = attention_ref(q[i:i + 1], k_rows[i:i + 1, lo:hi], v_rows[i:i + 1, lo:hi], causal=causal,
+                                 window_size=window, upcast=upcast)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses), k_rows, v_rows
+
+
+def rotary_tables(seqlen_ro, rotary_dim, device="cpu"):
+    angle = torch.rand(seqlen_ro, rotary_dim // 2, device=device) * 2 * math.pi
+    return torch.cos(angle).to(bf16), torch.sin(angle).to(bf16)
+
+
+def paged(cache, page_size, b):
+    """A paged copy of the contiguous cache (b, cache_len, ...): its pages shuffled into a pool with spare pages, and
+    the block table that finds them."""
+    cache_len = cache.shape[1]
+    blocks = cache_len // page_size
+    pool = torch.randn(b * blocks + 3, page_size, *cache.shape[2:], dtype=cache.dtype, device=cache.device)
+    order = torch.randperm(pool.shape[0], device=cache.device)[: b * blocks]
+    table = order.view(b, blocks).to(torch.int32)
+    pool[order] = cache.reshape(b * blocks, page_size, *cache.shape[2:])
+    return pool, table
+
+
+def unpaged(pool, table):
+    return pool[table.long()].flatten(1, 2)
+
+
+CASES = [
+    # (sq, s_new, causal, window, rotary (dim, interleaved) or None, leftpad, batch_idx, page_size)
+    (1, 1, True, (-1, -1), None, False, False, None),
+    (1, 0, False, (-1, -1), None, False, False, None),
+    (4, 3, True, (-1, -1), (32, True), False, False, None),
+    (4, 3, False, (-1, -1), (64, False), False, False, None),
+    (3, 2, True, (-1, -1), (16, False), True, False, None),
+    (2, 2, False, (5, 0), (32, True), False, True, None),
+    (5, 4, True, (-1, -1), (32, False), False, False, 1),
+    (1, 1, True, (-1, -1), (64, True), True, False, 3),
+    (7, 5, True, (-1, -1), None, False, False, 16),
+    (2, 0, False, (-1, -1), (32, True), False, False, 16),
+]
+
+
+def run_case(sq, s_new, causal, window, rotary, leftpad, batch_idx, page_size, device, d=64, b=3, h=4, hk=2,
+             cache_len=48):
+    torch.manual_seed(sq * 100 + s_new)
+    q = torch.randn(b, sq, h, d, dtype=bf16, device=device)
+    k_cache = torch.randn(b + 2, cache_len, hk, d, dtype=bf16, device=device)
+    v_cache = torch.randn_like(k_cache)
+    k = v = None
+    if s_new:
+        k = torch.randn(b, s_new, hk, d, dtype=bf16, device=device)
+        v = torch.randn_like(k)
+    seqlens = torch.randint(0, cache_len - s_new + 1, (b,), dtype=torch.int32, device=device)
+    seqlens[0] = cache_len - s_new  # a full cache
+    pads = torch.minimum(torch.randint(0, 6, (b,), device=device), seqlens).to(torch.int32) if leftpad else None
+    idx = torch.tensor([4, 0, 2][:b], dtype=torch.int32, device=device) if batch_idx else None
+    cos = sin = None
+    if rotary:
+        cos, sin = rotary_tables(cache_len + 4, rotary[0], device)
+    interleaved = rotary[1] if rotary else True
+    cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in (q, k_cache, v_cache, k, v, cos, sin, seqlens, idx,
+                                                                   pads)]
+    ref = expected(*cpu, causal, window, interleaved)
+    low = expected(*cpu, causal, window, interleaved, upcast=False)
+    kwargs = dict(k=k, v=v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, cache_leftpad=pads,
+                  causal=causal, window_size=window, rotary_interleaved=interleaved, return_softmax_lse=True)
+    if page_size:
+        pool_k, table = paged(k_cache[:b], page_size, b)
+        pool_v = torch.randn_like(pool_k)
+        pool_v[table.long().flatten()] = v_cache[:b].reshape(-1, page_size, hk, d)
+        out, lse = flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table, **kwargs)
+        rows = (unpaged(pool_k, table), unpaged(pool_v, table))
+    else:
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_batch_idx=idx, **kwargs)
+        sel = idx.long() if idx is not None else torch.arange(b, device=device)
+        rows = (k_cache[sel], v_cache[sel])
+    return out, lse, rows, ref, low
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
+def test_matches_reference_cpu(stub_kernel, case):
+    out, lse, (k_rows, v_rows), (ref_out, ref_lse, ref_k, ref_v), _ = run_case(*case, device="cpu")
+    assert torch.equal(k_rows, ref_k) and torch.equal(v_rows, ref_v)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert (out.float() - ref_out.float()).abs().max() <= 2e-2
+    assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=0, equal_nan=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
+def test_matches_reference_cuda(case):
+    out, lse, (k_rows, v_rows), (ref_out, ref_lse, ref_k, ref_v), (low_out, _, _, _) = run_case(*case, device="cuda")
+    assert torch.equal(k_rows.cpu(), ref_k) and torch.equal(v_rows.cpu(), ref_v)
+    err = (out.float().cpu() - ref_out.float()).abs().max()
+    low_err = (low_out.float() - ref_out.float()).abs().max()
+    assert torch.isfinite(out).all() and err <= 2 * low_err + 1e-4
+    assert torch.allclose(lse.cpu(), ref_lse, atol=1e-3, rtol=0)
+
+
+def test_cache_seqlens_int_and_none(stub_kernel):
+    """An int cache_seqlens is every sequence's; None is the whole cache."""
+    q = torch.randn(2, 1, 4, 64, dtype=bf16)
+    k_cache, v_cache = torch.randn(2, 16, 2, 64, dtype=bf16), torch.randn(2, 16, 2, 64, dtype=bf16)
+    whole = flash_attn_with_kvcache(q, k_cache, v_cache)
+    assert torch.equal(whole, flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=16))
+    part = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=9)
+    tensor = torch.full((2,), 9, dtype=torch.int32)
+    assert torch.equal(part, flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=tensor))
+
+
+BAD = {
+    "k_cache": dict(k_cache=torch.randn(2, 16, 2, 32, dtype=bf16)),
+    "v_cache": dict(v_cache=torch.randn(2, 16, 3, 64, dtype=bf16)),
+    "nheads_k": dict(k_cache=torch.randn(2, 16, 3, 64, dtype=bf16), v_cache=torch.randn(2, 16, 3, 64, dtype=bf16)),
+    "k and v": dict(k=torch.randn(2, 1, 2, 64, dtype=bf16)),
+    "cache_seqlens must be given": dict(k=torch.randn(2, 1, 2, 64, dtype=bf16),
+                                        v=torch.randn(2, 1, 2, 64, dtype=bf16)),
+    "too short": dict(k=torch.randn(2, 17, 2, 64, dtype=bf16), v=torch.randn(2, 17, 2, 64, dtype=bf16),
+                      cache_seqlens=0),
+    "cache_seqlens must be an int32": dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)),
+    "block_table": dict(block_table=torch.zeros(2, 4, dtype=torch.int64)),
+    "cache_batch_idx cannot": dict(block_table=torch.zeros(2, 4, dtype=torch.int32),
+                                   cache_batch_idx=torch.zeros(2, dtype=torch.int32)),
+    "rotary_cos and rotary_sin must be given": dict(rotary_cos=torch.randn(20, 16)),
+    "rotary_dim <= head_dim": dict(rotary_cos=torch.randn(20, 40), rotary_sin=torch.randn(20, 40)),
+    "num_splits": dict(num_splits=-1),
+    "fewer than q's batch": dict(k_cache=torch.randn(1, 16, 2, 64, dtype=bf16),
+                                 v_cache=torch.randn(1, 16, 2, 64, dtype=bf16)),
+}
+
+
+@pytest.mark.parametrize("what", BAD)
+def test_bad_inputs(stub_kernel, what):
+    args = dict(q=torch.randn(2, 1, 4, 64, dtype=bf16), k_cache=torch.randn(2, 16, 2, 64, dtype=bf16),
+                v_cache=torch.randn(2, 16, 2, 64, dtype=bf16))
+    args.update(BAD[what])
+    with pytest.raises(ValueError, match=what.split()[0]):
+        flash_attn_with_kvcache(**args)
