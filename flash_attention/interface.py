@@ -5,7 +5,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import _checks, _ops
+from . import _checks, _ops, _paged
 
 
 def normalize_window(window_size: Sequence[int], causal: bool, seqlen_q: int, seqlen_k: int) -> Tuple[int, int]:
@@ -216,13 +216,17 @@ def flash_attn_varlen_func(
     seqused_k, every key row outside them zero gradients. Masks, softcap and ALiBi apply within each sequence,
     aligned bottom-right with its (used) lengths; alibi_slopes: (nheads,) or (batch, nheads). The sequence tensors'
     values are not checked (it would wait for the GPU; see _checks.check_varlen_inputs); FLASH_ATTN_CHECK_VARLEN=1
-    checks them. block_table (paged KV cache) is not supported yet.
+    checks them. block_table (int32 (batch, max_blocks), flash-attn 2's paged KV cache): k and v are then pages
+    (num_blocks, page_size, nheads_k, head_dim) of any page size, sequence i's key j at page block_table[i, j //
+    page_size], row j % page_size, its length cu_seqlens_k[i + 1] - cu_seqlens_k[i]; the pages are gathered into
+    a contiguous copy before the kernel runs (flash_attention._paged).
 
     Returns out (total_q, nheads, head_dim), or (out, softmax_lse, None) when return_attn_probs, with softmax_lse
     fp32 (nheads, total_q).
     """
     if block_table is not None:
-        raise NotImplementedError("block_table (a paged KV cache) is not supported yet: it must be None")
+        k, v, cu_seqlens_k, seqused_k, max_seqlen_k = _paged.packed_from_pages(k, v, block_table, cu_seqlens_k,
+                                                                               seqused_k)
     sequences = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     out, lse = _varlen_forward(q, k, v, sequences, dropout_p, softmax_scale, causal, window_size, softcap,
                                alibi_slopes, deterministic, tier)

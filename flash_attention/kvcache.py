@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks, interface
+from . import _checks, _paged, interface
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -68,10 +68,7 @@ def _check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
             raise ValueError(f"{name} must be an int32 tensor of shape ({b},) on q's device, got "
                              f"{_describe(t)}")
     if block_table is not None:
-        if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
-                or block_table.shape[0] != b or block_table.device != q.device):
-            raise ValueError(f"block_table must be an int32 tensor of shape ({b}, max_blocks) on q's device, got "
-                             f"{_describe(block_table)}")
+        _paged.check_block_table(block_table, b, k_cache, v_cache)
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be used with block_table (a paged cache)")
     elif cache_batch_idx is None and k_cache.shape[0] < b:
@@ -112,8 +109,7 @@ def _cache_len(k_cache, block_table) -> int:
 def _cache_rows(cache: torch.Tensor, block_table, cache_batch_idx, b: int) -> torch.Tensor:
     """(b, cache_len, nheads_k, head_dim): each sequence's cache, a view when it already is one."""
     if block_table is not None:
-        pages = block_table.long().clamp(0, cache.shape[0] - 1)
-        return cache[pages].flatten(1, 2)
+        return _paged.gather_pages(cache, block_table)
     if cache_batch_idx is not None:
         return cache[cache_batch_idx.long().clamp(0, cache.shape[0] - 1)]
     return cache[:b]

@@ -190,3 +190,47 @@ def test_bad_inputs(stub_kernel, what):
     args.update(BAD[what])
     with pytest.raises(ValueError, match=what.split()[0]):
         flash_attn_with_kvcache(**args)
+
+
+def paged_varlen_case(page_size, device):
+    """A varlen batch (GQA, sq != sk, an empty key sequence) and its keys and values as a paged cache."""
+    torch.manual_seed(page_size)
+    lens_q, lens_k = [3, 1, 5, 2], [7, 0, 20, 13]
+    b, h, hk, d = len(lens_q), 4, 2, 64
+    slot = -(-max(lens_k) // page_size) * page_size
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=device)
+    q = torch.randn(sum(lens_q), h, d, dtype=bf16, device=device)
+    k, v = (torch.randn(sum(lens_k), hk, d, dtype=bf16, device=device) for _ in range(2))
+    padded = torch.zeros(2, b, slot, hk, d, dtype=bf16, device=device)
+    for i in range(b):
+        padded[0, i, : lens_k[i]] = k[cu_k[i]:cu_k[i + 1]]
+        padded[1, i, : lens_k[i]] = v[cu_k[i]:cu_k[i + 1]]
+    pool_k, table = paged(padded[0], page_size, b)
+    pool_v = torch.randn_like(pool_k)
+    pool_v[table.long().flatten()] = padded[1].reshape(-1, page_size, hk, d)
+    return q, k, v, cu_q, cu_k, pool_k, pool_v, table, max(lens_q), max(lens_k)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_block_table_matches_packed(stub_kernel, page_size, causal):
+    """flash_attn_varlen_func with block_table (flash-attn 2's paged varlen call, lengths from cu_seqlens_k) gives the
+    packed call's output and lse exactly."""
+    from flash_attention import flash_attn_varlen_func
+    q, k, v, cu_q, cu_k, pool_k, pool_v, table, mq, mk = paged_varlen_case(page_size, "cpu")
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_attn_probs=True)
+    out_p, lse_p, _ = flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, mq, mk, causal=causal,
+                                             return_attn_probs=True, block_table=table)
+    assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [1, 3, 16, 256])
+def test_varlen_block_table_matches_packed_cuda(page_size):
+    from flash_attention import flash_attn_varlen_func
+    q, k, v, cu_q, cu_k, pool_k, pool_v, table, mq, mk = paged_varlen_case(page_size, "cuda")
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True, return_attn_probs=True)
+    out_p, lse_p, _ = flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, mq, mk, causal=True,
+                                             return_attn_probs=True, block_table=table)
+    assert torch.equal(out, out_p) and torch.equal(lse, lse_p)

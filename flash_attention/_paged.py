@@ -1,0 +1,46 @@
+"""Paged key/value caches as the kernels take them today: each sequence's pages gathered, in order, into a contiguous
+copy. Shared by flash_attn_with_kvcache and flash_attn_varlen_func's block_table; native paged loads would replace it.
+"""
+
+import torch
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """(batch, max_blocks * page_size, nheads_k, head_dim): sequence i's rows j from page block_table[i, j //
+    page_size], row j % page_size of cache (num_blocks, page_size, nheads_k, head_dim). Page ids out of range are
+    clamped to the pool (the result is then unspecified, but no access leaves it)."""
+    return cache[block_table.long().clamp(0, cache.shape[0] - 1)].flatten(1, 2)
+
+
+def check_block_table(block_table, batch: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
+            or block_table.shape[0] != batch or block_table.device != k.device):
+        got = (f"{block_table.dtype} of shape {tuple(block_table.shape)} on {block_table.device}"
+               if isinstance(block_table, torch.Tensor) else type(block_table).__name__)
+        raise ValueError(f"block_table must be an int32 tensor of shape ({batch}, max_blocks) on the cache's device, "
+                         f"got {got}")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"with block_table, {name} must be a paged cache (num_blocks, page_size, nheads_k, "
+                             f"head_dim), got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"with block_table, k and v must have the same pages, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+
+
+def packed_from_pages(k, v, block_table, cu_seqlens_k, seqused_k):
+    """flash-attn 2's varlen block_table call as a packed one: (k, v, cu_seqlens_k, seqused_k, max_seqlen_k) with each
+    sequence's pages gathered into a slot of max_blocks * page_size rows and its length, cu_seqlens_k's difference
+    (and at most seqused_k), as seqused_k. Reads no tensor value on the host."""
+    if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1:
+        raise ValueError("cu_seqlens_k must be an int32 tensor of shape (batch + 1,) with block_table")
+    batch = cu_seqlens_k.shape[0] - 1
+    check_block_table(block_table, batch, k, v)
+    slot = block_table.shape[1] * k.shape[1]
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).clamp(0, slot)
+    if seqused_k is not None:
+        lengths = torch.minimum(lengths, seqused_k)
+    keys = gather_pages(k, block_table).flatten(0, 1)
+    values = gather_pages(v, block_table).flatten(0, 1)
+    starts = (torch.arange(batch + 1, device=cu_seqlens_k.device) * slot).to(torch.int32)
+    return keys, values, starts, lengths.to(torch.int32), slot
