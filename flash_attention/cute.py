@@ -1,7 +1,7 @@
 """FlashAttention-4's Python API (flash_attn.cute, as of its release fa4-v4.0.0.beta27) on this package's kernels, so
 that code written against it switches by changing the import:
 
-    from flash_attention.cute import flash_attn_func, flash_attn_varlen_func
+    from flash_attention.cute import flash_attn_func, flash_attn_varlen_func, flash_attn_combine
 
 The parameters have FA4's names, order and defaults, and the functions return FA4's (out, lse). Where they differ:
 - Features that change the result and that the kernels lack raise NotImplementedError when set: qv (MLA),
@@ -15,7 +15,8 @@ The parameters have FA4's names, order and defaults, and the functions return FA
 - window_size may also be an integer tensor of shape (2,), read with one .tolist() (a device synchronisation when
   it is on a GPU); max_seqlen_q/k may be tensors (see flash_attn_varlen_func).
 - flash_attn_varlen_func also serves FA4's argument order from before qv became its 4th parameter (see there).
-Both run on the same custom ops as flash_attention's functions.
+Both run on the same custom ops as flash_attention's functions. flash_attn_combine (split-KV partials into one
+output) is computed with PyTorch ops.
 """
 
 from typing import Optional
@@ -247,3 +248,49 @@ def _check_same_batch(batched_q: bool, batched_k: bool, cu_seqlens_q, cu_seqlens
         source_k = "k.shape[0]" if batched_k else "len(cu_seqlens_k) - 1"
         raise ValueError(f"q and k must hold the same number of sequences, got {source_q} = {bq} and "
                          f"{source_k} = {bk}")
+
+
+def flash_attn_combine(
+    out_partial: torch.Tensor,
+    lse_partial: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    seqused: Optional[torch.Tensor] = None,
+    varlen_batch_idx: Optional[torch.Tensor] = None,
+    return_lse: bool = True,
+):
+    """FA4's flash_attn_combine: the attention over the union of key splits from each split's output and lse.
+    out_partial (num_splits, batch, seqlen, nheads, head_dim) or, packed, (num_splits, total_q, nheads, head_dim);
+    lse_partial its (num_splits, batch, seqlen, nheads) or (num_splits, total_q, nheads), natural log, -inf for a
+    split that saw no key. Returns (out, lse): out (batch, seqlen, nheads, head_dim) or (total_q, nheads, head_dim)
+    in out_dtype (default out_partial's), written into `out` when given; lse fp32 (batch, seqlen, nheads) or
+    (total_q, nheads) (a transposed view of (batch, nheads, seqlen) or (nheads, total_q) storage, as FA4's), None
+    without return_lse; rows whose splits all saw no key get out 0 and lse -inf. Computed in fp32 with PyTorch ops
+    (no kernel of its own yet); cu_seqlens, seqused and varlen_batch_idx, which steer FA4's kernel over the rows,
+    change no value here and are accepted as they are."""
+    if not isinstance(out_partial, torch.Tensor) or out_partial.dim() not in (4, 5):
+        raise ValueError("out_partial must be (num_splits, batch, seqlen, nheads, head_dim) or (num_splits, total_q, "
+                         f"nheads, head_dim), got {getattr(out_partial, 'shape', type(out_partial).__name__)}")
+    if (not isinstance(lse_partial, torch.Tensor) or lse_partial.shape != out_partial.shape[:-1]
+            or lse_partial.device != out_partial.device):
+        raise ValueError(f"lse_partial must have shape {tuple(out_partial.shape[:-1])} (out_partial's without "
+                         f"head_dim) on its device, got {getattr(lse_partial, 'shape', type(lse_partial).__name__)}")
+    lse = lse_partial.float()
+    top = lse.amax(dim=0)
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)  # no split saw a key: weights 0, not NaN
+    weights = torch.exp(lse - top)
+    total = weights.sum(dim=0)
+    weights = weights / torch.where(total > 0, total, torch.ones_like(total))
+    combined = (out_partial.float() * weights.unsqueeze(-1)).sum(dim=0)
+    dtype = out_dtype if out_dtype is not None else out_partial.dtype
+    if out is not None:
+        if out.shape != combined.shape:
+            raise ValueError(f"out must have shape {tuple(combined.shape)}, got {tuple(out.shape)}")
+        out.copy_(combined)
+    else:
+        out = combined.to(dtype)
+    if not return_lse:
+        return out, None
+    lse_out = torch.log(total) + top  # log(0) = -inf where no split saw a key
+    return out, lse_out.transpose(-1, -2).contiguous().transpose(-1, -2)

@@ -3,6 +3,7 @@ stand-ins under the custom ops (standin_ops): signatures as FA4's, window_size i
 returns it, unsupported features rejected unless given no-op values, and the varlen function's batched sides."""
 
 import inspect
+import math
 
 import numpy as np
 import pytest
@@ -244,3 +245,64 @@ def test_cute_varlen_grads_of_batched_q(standin_ops):
     first, second = standin_ops["varlen_bwd"]
     assert torch.equal(first["dlse"], torch.ones(4, 6)) and second["dlse"] is None
     assert torch.equal(q.grad, 2 * dout) and torch.equal(k.grad, 3 * k) and torch.equal(v.grad, 4 * v)
+
+
+FA4_COMBINE = [("out_partial", None), ("lse_partial", None), ("out", None), ("out_dtype", None), ("cu_seqlens", None),
+               ("seqused", None), ("varlen_batch_idx", None), ("return_lse", True)]
+
+
+def test_combine_signature():
+    params = inspect.signature(cute.flash_attn_combine).parameters.values()
+    assert [(p.name, None if p.default is inspect.Parameter.empty else p.default) for p in params] == FA4_COMBINE
+
+
+def split_partials(q, k, v, bounds):
+    """The reference's (out, lse) over each key range in bounds, stacked as flash_attn_combine takes them:
+    (splits, b, sq, h, d) and (splits, b, sq, h)."""
+    outs, lses = [], []
+    for lo, hi in bounds:
+        out, lse = attention_ref(q, k[:, lo:hi], v[:, lo:hi])
+        outs.append(out.float())
+        lses.append(lse.transpose(1, 2))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def test_combine_equals_attention_over_all_keys():
+    """Splitting the keys, then combining the splits' outputs by their lse, gives the attention over all keys."""
+    q = torch.randn(2, 5, 4, 32)
+    k, v = torch.randn(2, 50, 4, 32), torch.randn(2, 50, 4, 32)
+    out_partial, lse_partial = split_partials(q, k, v, [(0, 7), (7, 31), (31, 50)])
+    out, lse = cute.flash_attn_combine(out_partial, lse_partial)
+    ref_out, ref_lse = attention_ref(q, k, v)
+    assert out.shape == ref_out.shape and out.dtype == torch.float32 and lse.shape == (2, 5, 4)
+    assert lse.stride() == lse.transpose(1, 2).contiguous().transpose(1, 2).stride()  # (b, h, s) storage, as FA4's
+    assert torch.allclose(out, ref_out.float(), atol=1e-5) and torch.allclose(lse, ref_lse.transpose(1, 2), atol=1e-5)
+    # Packed rows (num_splits, total_q, nheads, head_dim), into a given out of another dtype.
+    dest = torch.empty(10, 4, 32, dtype=torch.bfloat16)
+    packed, packed_lse = cute.flash_attn_combine(out_partial.flatten(1, 2), lse_partial.flatten(1, 2), out=dest)
+    assert packed is dest and torch.allclose(packed.float(), ref_out.float().flatten(0, 1), atol=2e-2)
+    assert torch.allclose(packed_lse, ref_lse.transpose(1, 2).flatten(0, 1), atol=1e-5)
+
+
+def test_combine_splits_without_keys():
+    """A split that saw no key (lse -inf, any output) weighs nothing; rows whose splits all saw none get out 0 and
+    lse -inf, not NaN."""
+    out_partial = torch.randn(3, 1, 2, 1, 8)
+    lse_partial = torch.tensor([[-1.0, float("-inf")], [float("-inf"), float("-inf")], [0.5, float("-inf")]])
+    lse_partial = lse_partial.view(3, 1, 2, 1)
+    out, lse = cute.flash_attn_combine(out_partial, lse_partial, out_dtype=torch.float16)
+    w = torch.softmax(torch.tensor([-1.0, 0.5]), 0)
+    expected_row0 = w[0] * out_partial[0, 0, 0, 0] + w[1] * out_partial[2, 0, 0, 0]
+    assert out.dtype == torch.float16 and torch.allclose(out[0, 0, 0].float(), expected_row0, atol=1e-2)
+    assert torch.equal(out[0, 1, 0], torch.zeros(8, dtype=torch.float16))
+    assert torch.isclose(lse[0, 0, 0], torch.logsumexp(torch.tensor([-1.0, 0.5]), 0)) and lse[0, 1, 0] == -math.inf
+    _, none = cute.flash_attn_combine(out_partial, lse_partial, return_lse=False)
+    assert none is None
+
+
+@pytest.mark.parametrize("bad", ["rank", "lse-shape"])
+def test_combine_bad_inputs(bad):
+    out_partial = torch.randn(2, 3, 4, 8) if bad != "rank" else torch.randn(3, 4, 8)
+    lse_partial = torch.randn(2, 3, 4) if bad != "lse-shape" else torch.randn(2, 4, 3)
+    with pytest.raises(ValueError, match="out_partial" if bad == "rank" else "lse_partial"):
+        cute.flash_attn_combine(out_partial, lse_partial)
