@@ -5,7 +5,7 @@ that code written against it switches by changing the import:
 
 The parameters have FA4's names, order and defaults, and the functions return FA4's (out, lse). Where they differ:
 - Features that change the result and that the kernels lack raise NotImplementedError when set: qv (MLA),
-  gather_kv_indices, page_table, learnable_sink, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
+  gather_kv_indices, learnable_sink, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
   block_sparse_tensors, block_sparse_tensors_bwd; so does a negative window bound, which FA4 keeps as a window that
   leaves out the diagonal.
 - Performance hints, which do not change the result, are accepted and ignored: num_splits, pack_gqa, min_seqlen_k,
@@ -15,6 +15,7 @@ The parameters have FA4's names, order and defaults, and the functions return FA
 - window_size may also be an integer tensor of shape (2,), read with one .tolist() (a device synchronisation when
   it is on a GPU); max_seqlen_q/k may be tensors (see flash_attn_varlen_func).
 - flash_attn_varlen_func also serves FA4's argument order from before qv became its 4th parameter (see there).
+- page_table (paged keys and values, any page size) gathers the pages into a contiguous copy before the kernel.
 Both run on the same custom ops as flash_attention's functions. flash_attn_combine (split-KV partials into one
 output) is computed with PyTorch ops.
 """
@@ -23,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks
+from . import _checks, _paged
 from .interface import _forward, _varlen_forward
 
 _NO_ALIBI = None
@@ -166,10 +167,11 @@ def flash_attn_varlen_func(
     max_seqlen_q and max_seqlen_k."""
     qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = _current_order(
         q, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    _reject_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, page_table=page_table,
-                        learnable_sink=learnable_sink, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
-                        mask_mod=mask_mod, block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors,
-                        aux_scalars=aux_scalars)
+    _reject_unsupported(qv=qv, gather_kv_indices=gather_kv_indices, learnable_sink=learnable_sink,
+                        score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod,
+                        block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, aux_scalars=aux_scalars)
+    if page_table is not None:
+        k, v, seqused_k, max_seqlen_k = _from_pages(k, v, page_table, cu_seqlens_q, q, cu_seqlens_k, seqused_k)
     window, softcap = _window(window_size, causal), _softcap(softcap)
     if cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
         out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, _NO_ALIBI, deterministic,
@@ -178,6 +180,20 @@ def flash_attn_varlen_func(
         out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                            (dropout_p, softmax_scale, causal, window, softcap, _NO_ALIBI, deterministic, tier))
     return out, _returned_lse(lse, return_lse, q, k, v)
+
+
+def _from_pages(k, v, page_table, cu_seqlens_q, q, cu_seqlens_k, seqused_k):
+    """FA4's page_table: k, v are pages (num_pages, page_size, nheads_k, head_dim), sequence i's key j at page
+    page_table[i, j // page_size], row j % page_size, its length seqused_k[i] (else the table's capacity). Returns the
+    batched key side (k, v, seqused_k, max_seqlen_k), the pages gathered into a contiguous copy (_paged)."""
+    if cu_seqlens_k is not None:
+        raise ValueError("page_table cannot be used with cu_seqlens_k: sequence lengths come from seqused_k")
+    batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
+    _paged.check_block_table(page_table, batch, k, v)
+    capacity = page_table.shape[1] * k.shape[1]
+    if seqused_k is None:
+        seqused_k = torch.full((batch,), capacity, dtype=torch.int32, device=k.device)
+    return _paged.gather_pages(k, page_table), _paged.gather_pages(v, page_table), seqused_k, capacity
 
 
 def _current_order(q, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):

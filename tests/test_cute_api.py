@@ -123,8 +123,7 @@ def test_cute_lse_gradient_only_when_returned(standin_ops):
 UNSUPPORTED = {"qv": rand(2, 5, 4, 16), "gather_kv_indices": torch.zeros(2, 5, 3, dtype=torch.int32),
                "learnable_sink": torch.zeros(4), "score_mod": lambda *a: a[0], "score_mod_bwd": lambda *a: a[0],
                "mask_mod": lambda *a: True, "aux_tensors": [torch.zeros(1)], "aux_scalars": (1.0,),
-               "block_sparse_tensors": object(), "block_sparse_tensors_bwd": object(),
-               "page_table": torch.zeros(3, 1, dtype=torch.int32)}
+               "block_sparse_tensors": object(), "block_sparse_tensors_bwd": object()}
 
 
 @pytest.mark.parametrize("name", list(UNSUPPORTED))
@@ -306,3 +305,32 @@ def test_combine_bad_inputs(bad):
     lse_partial = torch.randn(2, 3, 4) if bad != "lse-shape" else torch.randn(2, 4, 3)
     with pytest.raises(ValueError, match="out_partial" if bad == "rank" else "lse_partial"):
         cute.flash_attn_combine(out_partial, lse_partial)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("packed_q", [False, True], ids=["batched-q", "packed-q"])
+def test_page_table_matches_batched_keys(stub_kernel, page_size, packed_q):
+    """page_table (FA4's paged keys and values, lengths from seqused_k) gives the call on the same keys batched."""
+    torch.manual_seed(page_size)
+    b, slot, hk, d = 3, 32, 2, 16
+    k, v = rand(b, slot, hk, d), rand(b, slot, hk, d)
+    used = int32(5, 0, 32)
+    pool_k, pool_v = rand(b * slot // page_size + 2, page_size, hk, d), rand(b * slot // page_size + 2, page_size, hk, d)
+    order = torch.randperm(pool_k.shape[0])[: b * slot // page_size]
+    table = order.view(b, slot // page_size).to(torch.int32)
+    pool_k[order] = k.reshape(-1, page_size, hk, d)
+    pool_v[order] = v.reshape(-1, page_size, hk, d)
+    if packed_q:
+        q, seq_q = rand(6, 4, d), dict(cu_seqlens_q=int32(0, 2, 3, 6), max_seqlen_q=3)
+    else:
+        q, seq_q = rand(b, 2, 4, d), {}
+    expected = cute.flash_attn_varlen_func(q, k, v, seqused_k=used, causal=True, return_lse=True, **seq_q)
+    got = cute.flash_attn_varlen_func(q, pool_k, pool_v, page_table=table, seqused_k=used, causal=True,
+                                      return_lse=True, **seq_q)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_page_table_rejects_cu_seqlens_k(stub_kernel):
+    with pytest.raises(ValueError, match="page_table cannot be used with cu_seqlens_k"):
+        cute.flash_attn_varlen_func(rand(5, 4, 16), rand(4, 8, 2, 16), rand(4, 8, 2, 16), cu_seqlens_q=int32(*CU_Q),
+                                    cu_seqlens_k=int32(*CU_K), page_table=torch.zeros(3, 1, dtype=torch.int32))
