@@ -234,3 +234,39 @@ def test_varlen_block_table_matches_packed_cuda(page_size):
     out_p, lse_p, _ = flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, mq, mk, causal=True,
                                              return_attn_probs=True, block_table=table)
     assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_compile_traces_one_graph(monkeypatch, page_size):
+    """torch.compile(fullgraph=True) traces a decode step (append in place, rotary, a paged gather, the varlen op
+    through its fake) in one graph: nothing reads a tensor's value on the host."""
+    import functools
+
+    from flash_attention import _checks
+    from test_python_path import Traced, trace_only
+
+    monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
+    graphs = []
+    b, cache_len, hk, d = 2, 32, 2, 64
+    q, k, v = torch.randn(b, 1, 4, d, dtype=bf16), torch.randn(b, 1, hk, d, dtype=bf16), torch.randn(b, 1, hk, d,
+                                                                                                    dtype=bf16)
+    k_cache, v_cache = (torch.randn(b, cache_len, hk, d, dtype=bf16) for _ in range(2))
+    table = None
+    if page_size:
+        k_cache, table = paged(k_cache, page_size, b)
+        v_cache = torch.randn_like(k_cache)
+    cos, sin = rotary_tables(cache_len, 32)
+    seqlens = torch.tensor([3, 17], dtype=torch.int32)
+
+    def step(q, k, v, k_cache, v_cache, seqlens, table):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=seqlens,
+                                       block_table=table, causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=functools.partial(trace_only, graphs))
+    with pytest.raises(Traced):
+        compiled(q, k, v, k_cache, v_cache, seqlens, table)
+    (gm,) = graphs
+    targets = [str(node.target) for node in gm.graph.nodes]
+    assert targets.count("flash_attention.fwd.default") == 1
+    assert targets.count("<built-in function setitem>") == 2  # the in-place appends, into k_cache and v_cache
