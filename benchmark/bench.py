@@ -47,6 +47,18 @@ time / ours, as in the throughput table: > 1 means ours is faster.
     python benchmark/bench.py --eager --json eager_fwd.json
     python benchmark/bench.py --eager --mode fwdbwd --json eager_fwdbwd.json
     python benchmark/bench.py --eager --shape 4,1,4096,32,8,128 --causal no --iters 1000
+
+Decode steps (--decode): one attention call of a few query rows against a full KV cache per shape (default: the
+inference issue's eight shapes, b,sq,sk,h,hk,d; --shape replaces them), causal. Ours is flash_attn_with_kvcache
+(cache_seqlens = sk; with --page-size P the cache is paged into shuffled pages of P rows and read through
+block_table); the peers get the same q, k, v: SDPA's FLASH and CUDNN backends on (b, h, s, d) views, FA4's
+flash_attn_func. Each provider's call is captured in a CUDA graph once; a sample is --iters replays between two CUDA
+events (kernel time per call, without launch overhead), --rounds rounds with the providers in random order, median.
+The table shows us per call and the K+V bytes read per second (2 * b * sk * hk * d * 2 bytes / time, TB/s);
+ours/best is the best peer's time over ours (> 1: ours is faster). With --eager, eager time per call instead.
+
+    python benchmark/bench.py --decode --json decode.json
+    python benchmark/bench.py --decode --page-size 16 --json decode_paged16.json
 """
 
 import argparse
@@ -66,7 +78,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from flash_attention import flash_attn_func, flash_attn_varlen_func
+from flash_attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 PEERS = ("sdpa_flash", "sdpa_cudnn", "sdpa_eff", "fa2", "fa4")
 # SDPA's MATH backend materializes the scores: a default peer only of the eager mode, whose shapes are tiny.
@@ -596,6 +608,115 @@ def run_batched(args, dtype, backward, flops_factor):
     return rows, names, ratios
 
 
+# The inference issue's decode shapes (b, sq, sk, h, hk, d).
+DECODE_SHAPES = ((1, 1, 8192, 32, 8, 128), (8, 1, 4096, 32, 8, 128), (32, 1, 8192, 32, 8, 128),
+                 (64, 1, 2048, 64, 8, 128), (8, 4, 16384, 32, 8, 128), (16, 1, 32768, 8, 1, 128),
+                 (8, 1, 4096, 16, 16, 64), (4, 1, 8192, 16, 2, 256))
+DECODE_PEERS = ("sdpa_flash", "sdpa_cudnn", "fa4")
+
+
+def graph_samples_ms(fn, warmup, iters):
+    """One sample: `fn` captured once in a CUDA graph, then the time per replay of `iters` back-to-back replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / iters]
+
+
+def decode_calls(name, q, k, v, page_size):
+    """Provider `name`'s decode call on q (b, sq, h, d) against the full cache k, v (b, sk, hk, d), as a closure; ours
+    through flash_attn_with_kvcache (paged when page_size), the peers on the same tensors."""
+    b, sk = k.shape[:2]
+    if name == "ours":
+        seqlens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
+        if not page_size:
+            return lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)
+        pages = sk // page_size
+        order = torch.randperm(b * pages, device=q.device)
+        table = order.view(b, pages).to(torch.int32)
+        k_pool, v_pool = (torch.empty(b * pages, page_size, *t.shape[2:], dtype=t.dtype, device=t.device)
+                          for t in (k, v))
+        k_pool[order], v_pool[order] = k.reshape(-1, page_size, *k.shape[2:]), v.reshape(-1, page_size, *v.shape[2:])
+        return lambda: flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table,
+                                               causal=True)
+    if name in SDPA_BACKENDS:
+        qh, kh, vh = (heads_first(t) for t in (q, k, v))
+        return lambda: sdpa_attention(qh, kh, vh, True).transpose(1, 2)
+    if name == "fa4":
+        from flash_attn.cute import flash_attn_func as fa4_func
+
+        return lambda: fa4_func(q, k, v, causal=True)[0]
+    raise ValueError(f"unknown decode provider {name!r}")
+
+
+def run_decode(args, dtype):
+    """The decode sweep: returns (rows, provider names, ratio columns)."""
+    names = ["ours"] + [p for p in args.peers if p in DECODE_PEERS]
+    ratios = [("ours", "best", "ours/best")]
+    columns = ["b", "sq", "sk", "h", "hk", "d"] + [f"{n} us" for n in names] + ["ours TB/s", "best TB/s", "ours/best"]
+    widths = [4, 4, 6, 4, 4, 4] + [max(10, len(n) + 3) for n in names] + [10, 10, 10]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    rows, rng = [], random.Random(0)
+    sample = functools.partial(eager_samples_ms if args.eager else graph_samples_ms, warmup=args.warmup,
+                               iters=args.iters)
+    for b, sq, sk, h, hk, d in args.shape:
+        q = torch.randn(b, sq, h, d, dtype=dtype, device="cuda")
+        k, v = (torch.randn(b, sk, hk, d, dtype=dtype, device="cuda") for _ in range(2))
+        kv_bytes = 2 * b * sk * hk * d * k.element_size()
+        row = dict(b=b, sq=sq, sk=sk, h=h, hk=hk, d=d, dtype=args.dtype, page_size=args.page_size,
+                   kv_bytes=kv_bytes)
+        calls, pins, bad = {}, {}, set()
+        expected = None
+        for name in names:
+            try:
+                call = decode_calls(name, q, k, v, args.page_size)
+                pin = (functools.partial(sdpa_kernel, [SDPA_BACKENDS[name]]) if name in SDPA_BACKENDS
+                       else contextlib.nullcontext)
+                with pin():
+                    out = call().float()
+                if not torch.isfinite(out).all():
+                    raise RuntimeError("non-finite output")
+                if expected is None:
+                    expected = out  # ours, the first: the peers are checked against it
+                else:
+                    error = ((out - expected).norm() / expected.norm()).item()
+                    row[f"{name}_relerr"] = error
+                    if error > RELERR_LIMIT:
+                        bad.add(name)
+                calls[name], pins[name] = call, pin
+            except Exception as e:  # one failing provider must not stop the others
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        for name, samples in sample_providers(calls, sample, args.rounds, rng, pins).items():
+            row[f"{name}_us"] = statistics.median(samples) * 1e3
+            row[f"{name}_us_rounds"] = [x * 1e3 for x in samples]
+        peers = [row[f"{n}_us"] for n in names[1:] if row.get(f"{n}_us") and n not in bad]
+        row["best_us"] = min(peers) if peers else None
+        ours = row.get("ours_us")
+        row["ours/best"] = row["best_us"] / ours if ours and row["best_us"] else None
+        for who in ("ours", "best"):
+            t = row.get(f"{who}_us")
+            row[f"{who}_tbps"] = kv_bytes / (t * 1e-6) / 1e12 if t else None
+        rows.append(row)
+        cells = [str(x) for x in (b, sq, sk, h, hk, d)]
+        cells += [fmt(row.get(f"{n}_us"), ".1f") + ("!" if n in bad else "") for n in names]
+        cells += [fmt(row["ours_tbps"], ".2f"), fmt(row["best_tbps"], ".2f"), fmt(row["ours/best"], ".3f")]
+        print("  ".join(c.rjust(w) for c, w in zip(cells, widths)), flush=True)
+    return rows, names, ratios
+
+
 def summarize(rows, ratios):
     """Geomean and minimum of each ratio column over the rows."""
     summary = {}
@@ -625,6 +746,9 @@ def main():
     parser.add_argument("--varlen", type=parse_mixes, nargs="?", const="all", metavar="MIXES",
                         help=f"time variable-length batches instead: comma-separated mixes of "
                         f"{','.join(VARLEN_MIXES)} (all when no value is given)")
+    parser.add_argument("--decode", action="store_true", help="time decode steps against a KV cache (see above)")
+    parser.add_argument("--page-size", type=int, default=0, help="with --decode: read ours' cache through "
+                        "block_table in pages of this many rows (0: a contiguous cache)")
     parser.add_argument("--peers", type=parse_peers, default=None,
                         help=f"comma-separated subset of {','.join(EAGER_PEERS)} (default: all but sdpa_math; "
                         "with --eager all)")
@@ -642,8 +766,15 @@ def main():
         parser.error("--shape is for the batched sweep; --varlen takes its lengths from the mixes")
     if args.varlen and args.eager:
         parser.error("--eager times batched shapes (--shape), not --varlen")
+    if args.decode and args.varlen:
+        parser.error("--decode and --varlen are separate sweeps")
+    if args.decode:
+        args.shape = args.shape or list(DECODE_SHAPES)
+        bad = [s for s in args.shape if args.page_size and s[2] % args.page_size]
+        if bad:
+            parser.error(f"--page-size {args.page_size} must divide every shape's sk, not those of {bad}")
     args.peers = args.peers or list(EAGER_PEERS if args.eager else PEERS)
-    args.iters = args.iters or (500 if args.eager else 30)
+    args.iters = args.iters or (500 if args.eager else 100 if args.decode else 30)
     args.rounds = args.rounds or (10 if args.eager else 5)
     if args.eager:
         args.shape = args.shape or list(EAGER_SHAPES)
@@ -655,11 +786,14 @@ def main():
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, {args.dtype}, {what}"
           + (f", varlen {args.tokens} tokens" if args.varlen else "")
+          + (f", decode (causal{f', pages of {args.page_size}' if args.page_size else ''})" if args.decode else "")
           + f", {args.rounds} rounds of warm-up {args.warmup} + {args.iters} timed calls, median")
     if args.eager:
         print("eager time per call in us (wall time of the timed calls between two synchronizes / calls); "
               "ours/peer = peer time / ours time, > 1: ours is faster")
-    if args.varlen:
+    if args.decode:
+        rows, names, ratios = run_decode(args, dtype)
+    elif args.varlen:
         rows, names, ratios = run_varlen(args, dtype, backward, flops_factor)
     else:
         args.hdims = args.hdims or [64, 128, 256]
@@ -669,7 +803,9 @@ def main():
     for name in failures:
         first = next(r for r in rows if f"{name}_error" in r)
         print(f"{name} failed on some shapes, e.g. {first[f'{name}_error']}")
-    if not args.no_check:
+    if args.decode:
+        print(f"'!' marks a peer whose output differs from ours by more than {RELERR_LIMIT} (relative norm)")
+    elif not args.no_check:
         checked = "output, dq, and dk and dv where checkable" if backward else "output"
         if args.varlen:
             checked += ", of the longest, the shortest and the last sequence"
@@ -692,6 +828,9 @@ def main():
                     eager=args.eager, tier=args.tier, warmup=args.warmup, iters=args.iters, rounds=args.rounds,
                     command=" ".join(sys.argv),
                     date=datetime.datetime.now().isoformat(timespec="seconds"))
+        if args.decode:
+            meta.update(decode=True, page_size=args.page_size, timing="CUDA graph replays" if not args.eager
+                        else "eager")
         if args.varlen:
             meta.update(varlen=args.varlen, tokens=args.tokens,
                         flops="4 * h * d * sum over sequences of the visible (query, key) pairs, x mode factor")
@@ -699,8 +838,8 @@ def main():
             json.dump(dict(meta=meta, summary=summary, rows=rows), f, indent=1)
         print(f"results written to {args.json}")
     if args.png:
-        if args.varlen or args.eager:
-            print("--png draws the batched throughput sweep only; no plot for --varlen or --eager")
+        if args.varlen or args.eager or args.decode:
+            print("--png draws the batched throughput sweep only; no plot for --varlen, --eager or --decode")
         else:
             plot(rows, names, args.png, what)
 
