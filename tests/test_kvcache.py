@@ -30,7 +30,7 @@ def rotate(x, cos, sin, positions, interleaved):
 
 
 def expected(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, causal, window, interleaved,
-             upcast=True):
+             softcap=0.0, alibi=None, upcast=True):
     """(out, lse, k_rows, v_rows): the reference's output and lse, and each sequence's cache rows after the append
     ((b, cache_len, hk, d), contiguous caches only)."""
     b, sq = q.shape[:2]
@@ -52,7 +52,7 @@ def expected(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, c
         lo = 0 if leftpad is None else int(leftpad[i])
         hi = int(seqlens[i]) + s_new
         out, lse = attention_ref(q[i:i + 1], k_rows[i:i + 1, lo:hi], v_rows[i:i + 1, lo:hi], causal=causal,
-                                 window_size=window, upcast=upcast)
+                                 window_size=window, softcap=softcap, alibi_slopes=alibi, upcast=upcast)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses), k_rows, v_rows
@@ -95,8 +95,9 @@ CASES = [
 
 
 def run_case(sq, s_new, causal, window, rotary, leftpad, batch_idx, page_size, device, d=64, b=3, h=4, hk=2,
-             cache_len=48):
+             cache_len=48, softcap=0.0, alibi=False):
     torch.manual_seed(sq * 100 + s_new)
+    slopes = torch.rand(h, device=device) * 0.3 if alibi else None
     q = torch.randn(b, sq, h, d, dtype=bf16, device=device)
     k_cache = torch.randn(b + 2, cache_len, hk, d, dtype=bf16, device=device)
     v_cache = torch.randn_like(k_cache)
@@ -114,10 +115,12 @@ def run_case(sq, s_new, causal, window, rotary, leftpad, batch_idx, page_size, d
     interleaved = rotary[1] if rotary else True
     cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in (q, k_cache, v_cache, k, v, cos, sin, seqlens, idx,
                                                                    pads)]
-    ref = expected(*cpu, causal, window, interleaved)
-    low = expected(*cpu, causal, window, interleaved, upcast=False)
+    mods = dict(softcap=softcap, alibi=None if slopes is None else slopes.cpu())
+    ref = expected(*cpu, causal, window, interleaved, **mods)
+    low = expected(*cpu, causal, window, interleaved, **mods, upcast=False)
     kwargs = dict(k=k, v=v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, cache_leftpad=pads,
-                  causal=causal, window_size=window, rotary_interleaved=interleaved, return_softmax_lse=True)
+                  causal=causal, window_size=window, rotary_interleaved=interleaved, softcap=softcap,
+                  alibi_slopes=slopes, return_softmax_lse=True)
     if page_size:
         pool_k, table = paged(k_cache[:b], page_size, b)
         pool_v = torch.randn_like(pool_k)
@@ -140,10 +143,23 @@ def test_matches_reference_cpu(stub_kernel, case):
     assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=0, equal_nan=True)
 
 
+# GPU-only cases: other head dims (odd ones padded), MQA, long caches, large pages, softcap, ALiBi, long queries.
+CUDA_CASES = [
+    ((1, 1, True, (-1, -1), (32, False), False, False, 256), dict(d=32, h=8, hk=1, cache_len=1024)),
+    ((37, 0, True, (-1, -1), None, True, False, None), dict(d=96, cache_len=300)),
+    ((4, 2, True, (-1, -1), (64, True), False, False, 64), dict(d=256, cache_len=512, softcap=30.0)),
+    ((200, 0, True, (64, 0), None, False, True, None), dict(d=72, cache_len=700, alibi=True)),
+    ((1, 1, True, (-1, -1), (128, False), True, False, 16), dict(d=128, b=2, h=16, hk=2, cache_len=16384)),
+    ((3, 3, False, (-1, -1), None, False, False, 3), dict(d=128, h=8, hk=8, cache_len=99)),
+]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
-def test_matches_reference_cuda(case):
-    out, lse, (k_rows, v_rows), (ref_out, ref_lse, ref_k, ref_v), (low_out, _, _, _) = run_case(*case, device="cuda")
+@pytest.mark.parametrize("case, extra", [(c, {}) for c in CASES] + CUDA_CASES,
+                         ids=[f"c{i}" for i in range(len(CASES))] + [f"gpu{i}" for i in range(len(CUDA_CASES))])
+def test_matches_reference_cuda(case, extra):
+    out, lse, (k_rows, v_rows), (ref_out, ref_lse, ref_k, ref_v), (low_out, _, _, _) = run_case(
+        *case, device="cuda", **extra)
     assert torch.equal(k_rows.cpu(), ref_k) and torch.equal(v_rows.cpu(), ref_v)
     err = (out.float().cpu() - ref_out.float()).abs().max()
     low_err = (low_out.float() - ref_out.float()).abs().max()
