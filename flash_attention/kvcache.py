@@ -6,9 +6,10 @@ as one varlen call over the cache's rows, its used length per sequence (cache_se
 cache_leftpad on) given as seqused_k. Nothing reads a tensor's values on the host, so a decode step can be captured in
 a CUDA graph and traced by torch.compile.
 
-Not yet native: paged K/V loads inside the kernels (the gather costs a copy of the used pages), split-KV and GQA
-packing (decode-shaped calls run one mostly empty query tile per sequence and head), and a fused append/rotary.
-num_splits is accepted and has no effect.
+GQA packing happens here, where it is exact (one query row, or no mask, and no ALiBi): the query heads of a kv head
+become rows of one sequence, so each K/V block is read once per kv head. Not yet native: paged K/V loads inside the
+kernels (the gather costs a copy of the used pages), split-KV (a decode step runs one query tile per sequence and kv
+head, however long the cache), and a fused append/rotary. num_splits is accepted and has no effect.
 """
 
 from typing import Optional
@@ -206,11 +207,28 @@ def flash_attn_with_kvcache(
     starts = torch.arange(b + 1, device=q.device) * cache_len
     cu_seqlens_k = torch.cat((starts[:-1] + leftpad, starts[-1:])).to(torch.int32)
     seqused_k = (used - leftpad).clamp(min=0).to(torch.int32)
-    cu_seqlens_q = (torch.arange(b + 1, device=q.device) * sq).to(torch.int32)
+    hk = keys.shape[2]
+    group = h // hk
+    # GQA packing: where every query row sees the same keys (one query row, or no mask) and no per-head bias applies,
+    # the query heads that share a kv head become rows of one sequence of that kv head, so the kernel reads each K/V
+    # block once per kv head and fills its query tile with group * seqlen_q rows instead of seqlen_q.
+    pack = group > 1 and alibi_slopes is None and not local and (sq == 1 or not causal)
+    if pack:
+        rows, heads = sq * group, hk
+        q = q.reshape(b, sq, hk, group, d).transpose(2, 3)  # (b, sq, group, hk, d): rows (query, head in group)
+        causal = False  # one query row sees every used key under a bottom-right causal mask
+    else:
+        rows, heads = sq, h
+    cu_seqlens_q = (torch.arange(b + 1, device=q.device) * rows).to(torch.int32)
     out, lse, _ = interface.flash_attn_varlen_func(
-        q.reshape(b * sq, h, d), keys.reshape(b * cache_len, *keys.shape[2:]),
-        values.reshape(b * cache_len, *values.shape[2:]), cu_seqlens_q, cu_seqlens_k, sq, cache_len,
+        q.reshape(b * rows, heads, d), keys.reshape(b * cache_len, hk, d),
+        values.reshape(b * cache_len, hk, d), cu_seqlens_q, cu_seqlens_k, rows, cache_len,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, return_attn_probs=True, seqused_k=seqused_k, tier=tier)
-    out = out.view(b, sq, h, d)
-    return (out, lse.view(h, b, sq).transpose(0, 1).contiguous()) if return_softmax_lse else out
+    if pack:
+        out = out.view(b, sq, group, hk, d).transpose(2, 3).reshape(b, sq, h, d)
+        lse = lse.view(hk, b, sq, group).permute(1, 0, 3, 2).reshape(b, h, sq)
+    else:
+        out = out.view(b, sq, h, d)
+        lse = lse.view(h, b, sq).transpose(0, 1).contiguous()
+    return (out, lse) if return_softmax_lse else out

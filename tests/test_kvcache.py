@@ -286,3 +286,24 @@ def test_compile_traces_one_graph(monkeypatch, page_size):
     targets = [str(node.target) for node in gm.graph.nodes]
     assert targets.count("flash_attention.fwd.default") == 1
     assert targets.count("<built-in function setitem>") == 2  # the in-place appends, into k_cache and v_cache
+
+
+@pytest.mark.parametrize("sq, causal, window, alibi, packed", [
+    (1, True, (-1, -1), False, True), (3, False, (-1, -1), False, True), (3, True, (-1, -1), False, False),
+    (1, True, (4, 0), False, False), (1, True, (-1, -1), True, False)])
+def test_gqa_packing(stub_kernel, sq, causal, window, alibi, packed):
+    """Where it is exact (one query row or no mask, no window, no ALiBi), the query heads of each kv head reach the
+    kernel as rows of one sequence; the result is the reference's either way."""
+    b, h, hk, d, cache_len = 2, 6, 2, 32, 40
+    q = torch.randn(b, sq, h, d, dtype=bf16)
+    k_cache, v_cache = torch.randn(b, cache_len, hk, d, dtype=bf16), torch.randn(b, cache_len, hk, d, dtype=bf16)
+    seqlens = torch.tensor([40, 23], dtype=torch.int32)
+    slopes = torch.rand(h) * 0.3 if alibi else None
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal, window_size=window,
+                                       alibi_slopes=slopes, return_softmax_lse=True)
+    (call,) = stub_kernel
+    assert call["q"].shape == ((b * sq * h // hk, hk, d) if packed else (b * sq, h, d))
+    ref_out, ref_lse, _, _ = expected(q, k_cache, v_cache, None, None, None, None, seqlens, None, None, causal, window,
+                                      True, alibi=slopes)
+    assert (out.float() - ref_out.float()).abs().max() <= 2e-2
+    assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=0)
