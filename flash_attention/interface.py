@@ -78,6 +78,15 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
     _checks.check_inputs(q, k, v, alibi_slopes, tier)
     window = normalize_window(window_size, causal, q.shape[1], k.shape[1])
+    b, sq, h, d = q.shape
+    hk = k.shape[2]
+    if sq == 1 and h > hk and window == (-1, -1) and alibi_slopes is None:
+        # A decode step with GQA: its one query row sees every key in every head, so the query heads of each kv
+        # head become the rows of one query tile (a strided view, no copy), and each K/V block is read once per kv
+        # head rather than once per query head. Exact: each row's softmax runs over the same keys in the same order.
+        packed = q.reshape(b, hk, h // hk, d).transpose(1, 2)  # (b, group, hk, d)
+        out, lse = _attention(packed, k, v, _BATCHED, softmax_scale, window, softcap, None, deterministic, tier)
+        return out.transpose(1, 2).reshape(b, 1, h, d), lse.reshape(b, h, 1)
     return _attention(q, k, v, _BATCHED, softmax_scale, window, softcap, alibi_slopes, deterministic, tier)
 
 

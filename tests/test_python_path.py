@@ -349,3 +349,36 @@ def test_varlen_compile_traces_one_graph(monkeypatch):
     (gm,) = graphs
     targets = [str(node.target) for node in gm.graph.nodes]
     assert targets.count("flash_attention.fwd.default") == 1
+
+
+@pytest.mark.parametrize("causal, window, alibi, packed", [
+    (True, (-1, -1), False, True), (False, (-1, -1), False, True), (True, (3, 0), False, False),
+    (False, (-1, -1), True, False)])
+@pytest.mark.parametrize("d", [32, 59])
+def test_decode_step_packs_gqa_heads(stub_kernel, causal, window, alibi, packed, d):
+    """A one-row GQA call without window or ALiBi reaches the kernel with each kv head's query heads as rows (a
+    batched (b, group, nheads_k, d) view); out and lse are the reference's either way (the backward through the
+    view: test_bwd's one-row GQA cases on the GPU)."""
+    b, h, hk, sk = 2, 6, 2, 37
+    q, k, v = rand(b, 1, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+    slopes = torch.rand(h) * 0.3 if alibi else None
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes,
+                                  return_attn_probs=True)
+    (call,) = stub_kernel
+    assert call["q"].shape[:3] == ((b, h // hk, hk) if packed else (b, 1, h))
+    ref_out, ref_lse = attention_ref(q.float(), k.float(), v.float(), causal=causal, window_size=window,
+                                     alibi_slopes=slopes)
+    assert out.shape == q.shape and lse.shape == (b, h, 1)
+    assert torch.allclose(out.float(), ref_out, atol=2e-2) and torch.allclose(lse, ref_lse, atol=1e-4)
+
+
+def test_decode_step_packing_backward(standin_ops):
+    """The packed decode step's gradients reach q, k, v in their own shapes through the view, on the eager path and
+    through the ops (the stand-in backward returns 2 dout, 3 k, 4 v in the shapes it was given)."""
+    q, k, v = leaves(rand(2, 1, 6, 32), rand(2, 37, 2, 32), rand(2, 37, 2, 32))
+    out = flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    (call,) = standin_ops["bwd"]
+    assert call["q"].shape == (2, 3, 2, 32)
+    assert torch.equal(q.grad, 2 * dout) and torch.equal(k.grad, 3 * k.detach()) and torch.equal(v.grad, 4 * v.detach())
