@@ -6,17 +6,20 @@ as one varlen call over the cache's rows, its used length per sequence (cache_se
 cache_leftpad on) given as seqused_k. Nothing reads a tensor's values on the host, so a decode step can be captured in
 a CUDA graph and traced by torch.compile.
 
-GQA packing happens here, where it is exact (one query row, or no mask, and no ALiBi): the query heads of a kv head
-become rows of one sequence, so each K/V block is read once per kv head. Not yet native: paged K/V loads inside the
-kernels (the gather costs a copy of the used pages), split-KV (a decode step runs one query tile per sequence and kv
-head, however long the cache), and a fused append/rotary. num_splits is accepted and has no effect.
+Where it is exact (one query row, or no mask, and no window or ALiBi), GQA packing and split-KV happen here: the query
+heads of a kv head become rows of one sequence, so each K/V block is read once per kv head; and each sequence's keys
+are cut into num_splits chunks (0: enough to fill the GPU) attended to as sequences of their own, whose outputs
+flash_attn_combine merges by their lse (the partial outputs are rounded to the input dtype before the merge). Not yet
+native: paged K/V loads inside the kernels (the gather costs a copy of the used pages), the split partials and their
+combine as kernels of their own (fp32 partials, one launch), and a fused append/rotary.
 """
 
+import functools
 from typing import Optional
 
 import torch
 
-from . import _checks, _paged, interface
+from . import _checks, _paged, cute, interface
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -163,7 +166,9 @@ def flash_attn_with_kvcache(
     (batch,)): the first used row of each sequence's cache. rotary_cos/rotary_sin ((seqlen_ro, rotary_dim / 2)):
     the new keys are rotated at their cache rows; q at rows cache_seqlens[i] + its row when causal or local, else
     all at cache_seqlens[i]; interleaved (pairs) or not (halves), as rotary_interleaved says. Masks align
-    bottom-right with the used rows [cache_leftpad, cache_seqlens + seqlen_new). Values are not checked (that would
+    bottom-right with the used rows [cache_leftpad, cache_seqlens + seqlen_new). num_splits: key chunks per sequence
+    where splitting is exact (see the module's docstring), 0 for a count from the shape and the SM count, 1 for none.
+    Values are not checked (that would
     wait for the GPU): out-of-range ones are clamped to the tensors, which keeps every access in bounds but makes the
     result unspecified.
 
@@ -202,33 +207,68 @@ def flash_attn_with_kvcache(
     leftpad = (torch.zeros(b, dtype=torch.long, device=q.device) if cache_leftpad is None
                else cache_leftpad.long().clamp(0, cache_len))
     used = (filled + s_new).clamp(max=cache_len)
-    # Sequence i's keys are rows [i * cache_len + leftpad[i], ...) of the packed cache, of which it uses the first
-    # used[i] - leftpad[i].
-    starts = torch.arange(b + 1, device=q.device) * cache_len
-    cu_seqlens_k = torch.cat((starts[:-1] + leftpad, starts[-1:])).to(torch.int32)
-    seqused_k = (used - leftpad).clamp(min=0).to(torch.int32)
     hk = keys.shape[2]
     group = h // hk
-    # GQA packing: where every query row sees the same keys (one query row, or no mask) and no per-head bias applies,
-    # the query heads that share a kv head become rows of one sequence of that kv head, so the kernel reads each K/V
-    # block once per kv head and fills its query tile with group * seqlen_q rows instead of seqlen_q.
-    pack = group > 1 and alibi_slopes is None and not local and (sq == 1 or not causal)
+    # Where every query row sees the same keys (one query row, or no mask) and no per-head or per-position bias
+    # applies, the keys can be regrouped freely:
+    # - GQA packing: the query heads that share a kv head become rows of one sequence of that kv head, so the kernel
+    #   reads each K/V block once per kv head and fills its query tile with group * seqlen_q rows;
+    # - split-KV: each sequence's used keys are cut into `splits` chunks, each attended to by a copy of its query rows
+    #   as a sequence of its own, and the chunks' outputs are combined by their lse (flash_attn_combine): a decode
+    #   step with few (sequence, kv head) pairs then fills the GPU.
+    exact = alibi_slopes is None and not local and (sq == 1 or not causal)
+    pack = exact and group > 1
     if pack:
         rows, heads = sq * group, hk
         q = q.reshape(b, sq, hk, group, d).transpose(2, 3)  # (b, sq, group, hk, d): rows (query, head in group)
-        causal = False  # one query row sees every used key under a bottom-right causal mask
     else:
         rows, heads = sq, h
-    cu_seqlens_q = (torch.arange(b + 1, device=q.device) * rows).to(torch.int32)
+    if exact:
+        causal = False  # one query row sees every used key under a bottom-right causal mask
+    splits = _splits(num_splits, b * heads * -(-rows // 64), cache_len, q.device) if exact else 1
+    chunk = -(-cache_len // splits)
+    # Sequence (i, s) is chunk s of sequence i's used keys [leftpad[i], used[i]): rows i * cache_len + leftpad[i] +
+    # s * chunk onwards of the packed cache (clamped to its slot, where the chunk is empty), at most `chunk` of them.
+    offsets = (leftpad[:, None] + torch.arange(splits, device=q.device) * chunk).clamp(max=cache_len)  # (b, splits)
+    starts = (torch.arange(b, device=q.device)[:, None] * cache_len + offsets).flatten()
+    cu_seqlens_k = torch.cat((starts, starts.new_full((1,), b * cache_len))).to(torch.int32)
+    seqused_k = (used[:, None] - offsets).clamp(0, chunk).flatten().to(torch.int32)
+    queries = q.reshape(b, 1, rows, heads, d).expand(b, splits, rows, heads, d)  # each chunk's copy of the rows
+    cu_seqlens_q = (torch.arange(b * splits + 1, device=q.device) * rows).to(torch.int32)
     out, lse, _ = interface.flash_attn_varlen_func(
-        q.reshape(b * rows, heads, d), keys.reshape(b * cache_len, hk, d),
-        values.reshape(b * cache_len, hk, d), cu_seqlens_q, cu_seqlens_k, rows, cache_len,
+        queries.reshape(b * splits * rows, heads, d), keys.reshape(b * cache_len, hk, d),
+        values.reshape(b * cache_len, hk, d), cu_seqlens_q, cu_seqlens_k, rows, min(chunk, cache_len),
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, return_attn_probs=True, seqused_k=seqused_k, tier=tier)
+    out = out.view(b, splits, rows, heads, d)
+    lse = lse.view(heads, b, splits, rows)
+    if splits > 1:
+        out, lse = cute.flash_attn_combine(out.transpose(0, 1), lse.permute(2, 1, 3, 0), out_dtype=q.dtype)
+        lse = lse.transpose(1, 2)  # (b, heads, rows)
+    else:
+        out, lse = out[:, 0], lse[:, :, 0].transpose(0, 1)  # (b, rows, heads, d), (b, heads, rows)
     if pack:
         out = out.view(b, sq, group, hk, d).transpose(2, 3).reshape(b, sq, h, d)
-        lse = lse.view(hk, b, sq, group).permute(1, 0, 3, 2).reshape(b, h, sq)
+        lse = lse.reshape(b, hk, sq, group).transpose(2, 3).reshape(b, h, sq)
     else:
-        out = out.view(b, sq, h, d)
-        lse = lse.view(h, b, sq).transpose(0, 1).contiguous()
+        lse = lse.contiguous()
     return (out, lse) if return_softmax_lse else out
+
+
+def _splits(num_splits: int, tiles: int, cache_len: int, device: torch.device) -> int:
+    """Key chunks per sequence: num_splits when given (at most one per key); with 0, enough for about one wave of
+    query tiles x chunks over the GPU's SMs, with chunks of at least 512 keys, at most 32 of them."""
+    if num_splits > 0:
+        return max(1, min(num_splits, cache_len))
+    sms = _sm_count(device)
+    return max(1, min(-(-sms // max(tiles, 1)), cache_len // 512, 32))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 1

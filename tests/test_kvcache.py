@@ -95,7 +95,7 @@ CASES = [
 
 
 def run_case(sq, s_new, causal, window, rotary, leftpad, batch_idx, page_size, device, d=64, b=3, h=4, hk=2,
-             cache_len=48, softcap=0.0, alibi=False):
+             cache_len=48, softcap=0.0, alibi=False, num_splits=0):
     torch.manual_seed(sq * 100 + s_new)
     slopes = torch.rand(h, device=device) * 0.3 if alibi else None
     q = torch.randn(b, sq, h, d, dtype=bf16, device=device)
@@ -120,7 +120,7 @@ def run_case(sq, s_new, causal, window, rotary, leftpad, batch_idx, page_size, d
     low = expected(*cpu, causal, window, interleaved, **mods, upcast=False)
     kwargs = dict(k=k, v=v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, cache_leftpad=pads,
                   causal=causal, window_size=window, rotary_interleaved=interleaved, softcap=softcap,
-                  alibi_slopes=slopes, return_softmax_lse=True)
+                  alibi_slopes=slopes, num_splits=num_splits, return_softmax_lse=True)
     if page_size:
         pool_k, table = paged(k_cache[:b], page_size, b)
         pool_v = torch.randn_like(pool_k)
@@ -307,3 +307,40 @@ def test_gqa_packing(stub_kernel, sq, causal, window, alibi, packed):
                                       True, alibi=slopes)
     assert (out.float() - ref_out.float()).abs().max() <= 2e-2
     assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=0)
+
+
+SPLIT_CASES = [
+    # (case, num_splits): split-KV where it is exact (one query row or no mask), with GQA packing, paging, leftpad,
+    # new tokens, rotary; and cases where it is not exact, which must run unsplit.
+    ((1, 1, True, (-1, -1), (32, True), True, False, 16), 3),
+    ((4, 2, False, (-1, -1), None, False, True, None), 7),
+    ((1, 0, True, (-1, -1), None, False, False, 3), 48),
+    ((3, 2, True, (-1, -1), None, False, False, None), 4),
+    ((1, 1, True, (4, 0), None, False, False, None), 4),
+]
+
+
+@pytest.mark.parametrize("case, num_splits", SPLIT_CASES, ids=[f"s{i}" for i in range(len(SPLIT_CASES))])
+def test_split_kv_cpu(stub_kernel, case, num_splits):
+    """num_splits cuts each sequence's keys into chunks attended to separately and combined by their lse, where that
+    is exact; elsewhere the call runs unsplit. The result is the reference's either way."""
+    out, lse, (k_rows, v_rows), (ref_out, ref_lse, ref_k, ref_v), _ = run_case(*case, device="cpu",
+                                                                                num_splits=num_splits)
+    sq, causal, window = case[0], case[2], case[3]
+    exact = window == (-1, -1) and (sq == 1 or not causal)
+    (call,) = stub_kernel
+    assert call["cu_seqlens_k"].shape[0] - 1 == 3 * (num_splits if exact else 1)
+    assert torch.equal(k_rows, ref_k) and torch.equal(v_rows, ref_v)
+    assert (out.float() - ref_out.float()).abs().max() <= 2e-2
+    assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case, num_splits", SPLIT_CASES, ids=[f"s{i}" for i in range(len(SPLIT_CASES))])
+def test_split_kv_cuda(case, num_splits):
+    out, lse, _, (ref_out, ref_lse, _, _), (low_out, _, _, _) = run_case(*case, device="cuda",
+                                                                         num_splits=num_splits)
+    err = (out.float().cpu() - ref_out.float()).abs().max()
+    low_err = (low_out.float() - ref_out.float()).abs().max()
+    assert torch.isfinite(out).all() and err <= 2 * low_err + 1e-4
+    assert torch.allclose(lse.cpu(), ref_lse, atol=1e-3, rtol=0)
