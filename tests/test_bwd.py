@@ -266,9 +266,9 @@ def test_loss_sum_backward():
 
 @pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
 def test_dout_broadcast_over_batch(d):
-    """A dout that is one (seqlen, heads, d) tensor broadcast over the batch (batch stride 0, unit last stride: the
-    binding passes it to the kernel as it is, TMA descriptors included) gives the gradients of its contiguous copy,
-    bit for bit in deterministic mode."""
+    """A dout that is one (seqlen, heads, d) tensor broadcast over the batch (batch stride 0, unit last stride; the
+    binding copies such views for the TMA descriptors) gives the gradients of its contiguous copy, bit for bit in
+    deterministic mode."""
     require_kernel(d, bf16, "bwd")
     q, k, v, _ = make_inputs(Case(bf16, d, 300, 260, heads="gqa"))
     dout = torch.randn(q.shape[1:], dtype=bf16, device="cuda").expand(q.shape)

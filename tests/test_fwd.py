@@ -142,6 +142,7 @@ BAD_VIEWS = {
     "size1-dim-stride-3": lambda: torch.randn(1, 65, 4, 64, dtype=bf16, device="cuda").as_strided(
         (1, 65, 4, 64), (3, 256, 64, 1)),
     "broadcast": lambda: torch.randn((), dtype=bf16, device="cuda").expand(2, 65, 4, 64),
+    "batch-broadcast": lambda: torch.randn(65, 4, 64, dtype=bf16, device="cuda").expand(2, 65, 4, 64),
     "last-dim-stride-2": lambda: torch.randn(2, 65, 4, 128, dtype=bf16, device="cuda")[..., ::2],
 }
 

@@ -57,11 +57,16 @@ void check_operand(at::Tensor const& t, char const* name, at::Tensor const& like
 // The kernels load 16-byte vectors: the last dimension contiguous, every other stride (also of a dimension of size
 // 1: TMA descriptors take every stride) a multiple of 16 bytes and the base pointer 16-byte aligned. Anything else is
 // copied, as autograd's broadcast gradient of out.sum() (stride 0 everywhere) must be; clone rather than
-// .contiguous(), which keeps a misaligned view that torch already considers contiguous.
+// .contiguous(), which keeps a misaligned view that torch already considers contiguous. A view broadcast along a
+// dimension (stride 0, size above 1) is copied too: the SM90 tier's TMA descriptors are not built for zero strides.
 at::Tensor kernel_operand(at::Tensor const& t) {
     int64_t bytes = reinterpret_cast<uintptr_t>(t.data_ptr());
-    for (int i = 0; i < t.dim() - 1; ++i) { bytes |= t.stride(i) * int64_t(t.element_size()); }
-    if (t.stride(-1) != 1 || bytes % 16 != 0) { return t.clone(at::MemoryFormat::Contiguous); }
+    bool broadcast = false;
+    for (int i = 0; i < t.dim() - 1; ++i) {
+        bytes |= t.stride(i) * int64_t(t.element_size());
+        broadcast |= t.stride(i) == 0 && t.size(i) > 1;
+    }
+    if (t.stride(-1) != 1 || bytes % 16 != 0 || broadcast) { return t.clone(at::MemoryFormat::Contiguous); }
     return t;
 }
 
