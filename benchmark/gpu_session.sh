@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install from the carried nvidia-cutlass wheel (the GPU machine has no network), build, then the CUDA
 # tests, compute-sanitizer, or the benchmark. Logs land in $OUT (default ./gpu_logs).
-#   usage: benchmark/gpu_session.sh [test|sanitize|bench|all] [extra bench.py args...]
+#   usage: benchmark/gpu_session.sh [test|sanitize|bench|decode|all] [extra bench.py args...]
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu_logs}; mkdir -p "$out"
@@ -31,6 +31,12 @@ if [ "$what" = sanitize ]; then
   dims=$(python3 -c "from flash_attention import _dispatch; print(' '.join(sorted({str(key[2]) for key in _dispatch.available_kernels()}, key=int)))")
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --print-limit 20 python3 benchmark/small_case.py $dims 2>&1 | tee "$out/sanitize_$tool.log" | tail -6
+  done
+fi
+if [ "$what" = decode ]; then
+  for page in 0 16 256; do
+    python3 benchmark/bench.py --decode --page-size $page --json "$out/decode_page$page.json" "$@" 2>&1 \
+      | tee "$out/decode_page$page.log"
   done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
