@@ -39,10 +39,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(__gri
     }
 
     Tensor sdQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutdO{});
-    Tensor mdQ = make_tensor(make_gmem_ptr(static_cast<Element*>(params.dq) +
-                                           seq.q_offset(params.dq_batch_stride, params.dq_row_stride,
-                                                        params.dq_head_stride, head)),
-                             make_shape(seq.q.len, Int<kHeadDim>{}), make_stride(params.dq_row_stride, _1{}));
+    Tensor mdQ = head_rows<kHeadDim>(static_cast<Element*>(params.dq) + seq.q_offset(params.dq_batch_stride,
+                                                                                     params.dq_row_stride,
+                                                                                     params.dq_head_stride, head),
+                                     seq.q.len, params.dq_row_stride);
     Tensor gdQ = local_tile(mdQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
     store_tile<Traits>(mma_dq, acc, sdQ, gdQ, seq.q.len - m_block * kBlockM, params.d, tid);
 }

@@ -122,8 +122,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
     if (iters > 0) {
         auto gmem_rows = [&](void const* base, int64_t offset, int64_t row_stride, int rows) {
-            return make_tensor(make_gmem_ptr(static_cast<Element const*>(base) + offset),
-                               make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+            return head_rows<kHeadDim>(static_cast<Element const*>(base) + offset, rows, row_stride);
         };
         Tensor gK = local_tile(gmem_rows(params.k,
                                          seq.k_offset(params.k_batch_stride, params.k_row_stride,
@@ -334,9 +333,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
     auto gmem_out = [&](void* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride) {
-        Tensor m = make_tensor(make_gmem_ptr(static_cast<Element*>(base) +
-                                             seq.k_offset(batch_stride, row_stride, head_stride, head_kv)),
-                               make_shape(sk, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+        Tensor m = head_rows<kHeadDim>(
+            static_cast<Element*>(base) + seq.k_offset(batch_stride, row_stride, head_stride, head_kv), sk, row_stride);
         return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
     };
     store_tile<Traits>(mma_dkv, acc_dk, sK, gmem_out(params.dk, params.dk_batch_stride, params.dk_head_stride,

@@ -59,10 +59,10 @@ __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO con
     store_lse(coord_rc, lse, params, seq, head, row0);
 
     Tensor sO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
-    Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(params.o) +
-                                          seq.q_offset(params.o_batch_stride, params.o_row_stride,
-                                                       params.o_head_stride, head)),
-                            make_shape(seq.q.len, Int<kHeadDim>{}), make_stride(params.o_row_stride, _1{}));
+    Tensor mO = head_rows<kHeadDim>(static_cast<Element*>(params.o) + seq.q_offset(params.o_batch_stride,
+                                                                                   params.o_row_stride,
+                                                                                   params.o_head_stride, head),
+                                    seq.q.len, params.o_row_stride);
     Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
     store_tile<Traits>(tiled_mma, acc_o, sO, gO, seq.q.len - row0, params.d, tid);
 }

@@ -72,18 +72,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     softmax.init();
 
     if (n_blocks > 0) {
-        Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.q) +
-                                              seq.q_offset(params.q_batch_stride, params.q_row_stride,
-                                                           params.q_head_stride, blk.head)),
-                                make_shape(sq, Int<kHeadDim>{}), make_stride(params.q_row_stride, _1{}));
-        Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.k) +
-                                              seq.k_offset(params.k_batch_stride, params.k_row_stride,
-                                                           params.k_head_stride, head_kv)),
-                                make_shape(sk, Int<kHeadDim>{}), make_stride(params.k_row_stride, _1{}));
-        Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(params.v) +
-                                              seq.k_offset(params.v_batch_stride, params.v_row_stride,
-                                                           params.v_head_stride, head_kv)),
-                                make_shape(sk, Int<kHeadDim>{}), make_stride(params.v_row_stride, _1{}));
+        Tensor mQ = head_rows<kHeadDim>(static_cast<Element const*>(params.q) +
+                                            seq.q_offset(params.q_batch_stride, params.q_row_stride,
+                                                         params.q_head_stride, blk.head),
+                                        sq, params.q_row_stride);
+        Tensor mK = head_rows<kHeadDim>(static_cast<Element const*>(params.k) +
+                                            seq.k_offset(params.k_batch_stride, params.k_row_stride,
+                                                         params.k_head_stride, head_kv),
+                                        sk, params.k_row_stride);
+        Tensor mV = head_rows<kHeadDim>(static_cast<Element const*>(params.v) +
+                                            seq.k_offset(params.v_batch_stride, params.v_row_stride,
+                                                         params.v_head_stride, head_kv),
+                                        sk, params.v_row_stride);
         Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
         Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n_block)
         Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));

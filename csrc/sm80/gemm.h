@@ -16,6 +16,13 @@ using namespace cute;
 // padded keys never inject NaN into P V and padded head-dim columns add nothing. The predicates do not branch, so the
 // loads keep one address chain per tile. kCheckRows = false promises that every row exists (all key blocks but the
 // last one): the row coordinates then need no registers, and a thread whose columns all exist copies unpredicated.
+// The rows of one sequence and head of an operand, from its first row (the operand's base plus SeqlenInfo::q_offset
+// or k_offset), as a (rows, kHeadDim) global tensor, rows row_stride elements apart.
+template <int kHeadDim, class Element>
+__device__ __forceinline__ auto head_rows(Element* first_row, int rows, int64_t row_stride) {
+    return make_tensor(make_gmem_ptr(first_row), make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+}
+
 template <bool kCheckRows, class TiledCopy, class TensorG, class TensorS, class TensorC>
 __device__ __forceinline__ void load_tile(TiledCopy const& tiled_copy, TensorG const& g, TensorS&& s,
                                           TensorC const& coord, int rows_left, int cols) {
