@@ -168,9 +168,8 @@ def flash_attn_with_kvcache(
     all at cache_seqlens[i]; interleaved (pairs) or not (halves), as rotary_interleaved says. Masks align
     bottom-right with the used rows [cache_leftpad, cache_seqlens + seqlen_new). num_splits: key chunks per sequence
     where splitting is exact (see the module's docstring), 0 for a count from the shape and the SM count, 1 for none.
-    Values are not checked (that would
-    wait for the GPU): out-of-range ones are clamped to the tensors, which keeps every access in bounds but makes the
-    result unspecified.
+    Values are not checked (that would wait for the GPU): out-of-range ones are clamped to the tensors, which keeps
+    every access in bounds but makes the result unspecified.
 
     Returns out (batch, seqlen_q, nheads, head_dim), and softmax_lse (batch, nheads, seqlen_q) fp32 when
     return_softmax_lse.
