@@ -12,13 +12,18 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     return cache[block_table.long().clamp(0, cache.shape[0] - 1)].flatten(1, 2)
 
 
+def describe(t) -> str:
+    """A value as an error message shows it: a tensor's dtype, shape and device, else its type."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
+
+
 def check_block_table(block_table, batch: int, k: torch.Tensor, v: torch.Tensor) -> None:
     if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
             or block_table.shape[0] != batch or block_table.device != k.device):
-        got = (f"{block_table.dtype} of shape {tuple(block_table.shape)} on {block_table.device}"
-               if isinstance(block_table, torch.Tensor) else type(block_table).__name__)
         raise ValueError(f"block_table must be an int32 tensor of shape ({batch}, max_blocks) on the cache's device, "
-                         f"got {got}")
+                         f"got {describe(block_table)}")
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"with block_table, {name} must be a paged cache (num_blocks, page_size, nheads_k, "

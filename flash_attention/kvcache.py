@@ -70,7 +70,7 @@ def _check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
         if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.shape != (b,)
                               or t.device != q.device):
             raise ValueError(f"{name} must be an int32 tensor of shape ({b},) on q's device, got "
-                             f"{_describe(t)}")
+                             f"{_paged.describe(t)}")
     if block_table is not None:
         _paged.check_block_table(block_table, b, k_cache, v_cache)
         if cache_batch_idx is not None:
@@ -97,12 +97,6 @@ def _check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
             raise ValueError(f"rotary_cos and rotary_sin must be (seqlen_ro, rotary_dim / 2) on q's device with "
                              f"rotary_dim <= head_dim ({d}), got {tuple(rotary_cos.shape)} and "
                              f"{tuple(rotary_sin.shape)}")
-
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
 
 
 def _cache_len(k_cache, block_table) -> int:

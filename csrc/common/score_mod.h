@@ -6,6 +6,9 @@
 
 #include <cmath>
 
+#include "block_range.h"
+#include "params.h"
+
 namespace flash {
 
 // x <- tanh(x * pre); the softcap factor itself is folded into the softmax scale. tanh(y) = 1 - 2 / (e^{2y} + 1)
@@ -30,6 +33,24 @@ __device__ __forceinline__ void apply_alibi(TensorS& s, TensorC const& coord, in
             int const col = col0 + cute::get<1>(coord(r, c));
             s(r, c) -= slope * float(abs(diag - col));
         }
+    }
+}
+
+// The backward's score mods, on S (raw scores) and dP (already minus D), before the mask: softcap makes S tanh(S pre)
+// and multiplies dP by the tanh derivative 1 - tanh^2, since dS is taken w.r.t. q.k (taken before any mask makes S
+// -inf); ALiBi adds its bias to S, seen as (query, key) in s_rc with coordinates coord_rc.
+template <class AccS, class AccDP, class TensorS, class TensorC>
+__device__ __forceinline__ void apply_score_mods_bwd(AttnParams const& params, AccS& acc_s, AccDP& acc_dp,
+                                                     TensorS& s_rc, TensorC const& coord_rc, int batch, int head,
+                                                     int row0, int col0, AttnWindow const& window) {
+    if (params.has_softcap) {
+        apply_softcap(acc_s, params.softcap_pre);
+        CUTE_UNROLL
+        for (int i = 0; i < cute::size(acc_s); ++i) { acc_dp(i) *= 1.f - acc_s(i) * acc_s(i); }
+    }
+    if (params.alibi_slopes != nullptr) {
+        float const slope = params.alibi_slopes[batch * params.alibi_batch_stride + head] / params.logit_scale;
+        apply_alibi(s_rc, coord_rc, row0, col0, window.diag_offset(), slope);
     }
 }
 

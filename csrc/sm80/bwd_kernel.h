@@ -260,17 +260,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                     for (int c = 0; c < size<1>(dp_rc); ++c) { dp_rc(r, c) -= dpsum; }
                 }
                 if constexpr (decltype(with_score_mods)::value) {
-                    if (params.has_softcap) {
-                        // dS is taken w.r.t. q.k: times the tanh derivative, taken before any mask makes S -inf.
-                        apply_softcap(acc_s, params.softcap_pre);
-                        CUTE_UNROLL
-                        for (int i = 0; i < size(acc_s); ++i) { acc_dp(i) *= 1.f - acc_s(i) * acc_s(i); }
-                    }
-                    if (params.alibi_slopes != nullptr) {
-                        float const slope =
-                            params.alibi_slopes[batch * params.alibi_batch_stride + head] / params.logit_scale;
-                        apply_alibi(s_rc, coord_s_rc, row0, col0, window.diag_offset(), slope);
-                    }
+                    apply_score_mods_bwd(params, acc_s, acc_dp, s_rc, coord_s_rc, batch, head, row0, col0,
+                                         window);
                 }
                 // Keys past sk must be masked too: their zero-filled scores would give P = exp2(-lse) > 0.
                 if (Range::needs_mask(window, m_block, n_block)) { apply_mask(s_rc, coord_s_rc, window, row0, col0); }

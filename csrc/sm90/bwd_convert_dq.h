@@ -47,8 +47,9 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
     Element* dq = static_cast<Element*>(params.dq) +
                   seq.q_offset(params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride, blk.head) +
                   int64_t(row0) * params.dq_row_stride;
-    store_scaled_rows(coord_rc, rowcol_view(acc), params.softmax_scale, dq, params.dq_row_stride, seq.q.len - row0,
-                      params.d);
+    float const scale = params.softmax_scale;
+    store_row_pairs(coord_rc, rowcol_view(acc), dq, params.dq_row_stride, seq.q.len - row0, params.d,
+                    [scale](float x) { return Element(x * scale); });
 }
 
 }  // namespace flash::sm90

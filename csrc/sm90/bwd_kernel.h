@@ -36,7 +36,8 @@ __device__ __forceinline__ void store_key_gradient(Acc const& acc, float scale, 
         make_identity_tensor(Shape<Int<kBlockN>, Int<Traits::kHeadDim>>{})));
     Element* tile = static_cast<Element*>(base) + seq.k_offset(batch_stride, row_stride, head_stride, blk.head) +
                     int64_t(blk.block) * kBlockN * row_stride;
-    store_scaled_rows(coord_rc, rowcol_view(acc), scale, tile, row_stride, seq.k.len - blk.block * kBlockN, params.d);
+    store_row_pairs(coord_rc, rowcol_view(acc), tile, row_stride, seq.k.len - blk.block * kBlockN, params.d,
+                    [scale](float x) { return Element(x * scale); });
 }
 
 template <class Traits>

@@ -324,8 +324,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         auto dp_qk = transposed(dp_rc);
         float const* dpsum = shared.dpsum[do_state.index];
         if constexpr (decltype(mods)::value) {
-            // dS = P (dP - D) (1 - tanh^2): D comes off before the tanh derivative, which is taken before any mask
-            // makes S -inf (dS is taken w.r.t. q.k).
+            // dS = P (dP - D) (1 - tanh^2): D comes off before the score mods.
             warpgroup_wait<0>();
             CUTE_UNROLL
             for (int c = 0; c < kCols; ++c) {
@@ -333,16 +332,8 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
                 CUTE_UNROLL
                 for (int k = 0; k < size<1>(dp_qk); ++k) { dp_qk(c, k) -= d; }
             }
-            if (params.has_softcap) {
-                apply_softcap(acc_s, params.softcap_pre);
-                CUTE_UNROLL
-                for (int i = 0; i < size(acc_s); ++i) { acc_dp(i) *= 1.f - acc_s(i) * acc_s(i); }
-            }
-            if (params.alibi_slopes != nullptr) {
-                float const slope =
-                    params.alibi_slopes[seq.batch * params.alibi_batch_stride + cur.head] / params.logit_scale;
-                apply_alibi(s_qk, coord_qk, row0, col0, window.diag_offset(), slope);
-            }
+            apply_score_mods_bwd(params, acc_s, acc_dp, s_qk, coord_qk, seq.batch, cur.head, row0, col0,
+                                 window);
         } else {
             warpgroup_wait<1>();  // S^T is done (wgmma batches complete in order)
         }

@@ -56,34 +56,40 @@ __device__ __forceinline__ void store_output_tma(typename Traits::TmaO const& tm
     }
 }
 
+// Stores a fragment seen as (rows, cols) from registers, each value through to_element, in pairs of adjacent columns
+// (c, c + 1), c even: rows below rows_left, columns below cols, of the tile at `base`.
+template <class CoordRC, class FragRC, typename Element, class ToElement>
+__device__ __forceinline__ void store_row_pairs(CoordRC const& coord_rc, FragRC const& frag_rc, Element* base,
+                                                int64_t row_stride, int rows_left, int cols, ToElement to_element) {
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(frag_rc); ++r) {
+        int const row = get<0>(coord_rc(r, 0));
+        if (row < rows_left) {
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(frag_rc); c += 2) {
+                int const col = get<1>(coord_rc(r, c));
+                if (col < cols) {
+                    cutlass::Array<Element, 2> pair;
+                    pair[0] = to_element(frag_rc(r, c));
+                    pair[1] = to_element(frag_rc(r, c + 1));
+                    *reinterpret_cast<cutlass::Array<Element, 2>*>(base + int64_t(row) * row_stride + col) = pair;
+                }
+            }
+        }
+    }
+}
+
 // Each thread stores its own rows from registers: pairs of adjacent columns (c, c + 1), c even, 4 bytes each.
 template <class Traits, class CoordRC, class FragO>
 __device__ __forceinline__ void store_output_registers(CoordRC const& coord_rc, FragO const& r_o,
                                                        FwdParams const& params, SeqlenInfo const& seq, int row0,
                                                        int head) {
     using Element = typename Traits::Element;
-    int const rows_left = seq.q.len - row0;
-    Tensor o_rc = rowcol_view(r_o);
     Element* o = static_cast<Element*>(params.o) +
                  seq.q_offset(params.o_batch_stride, params.o_row_stride, params.o_head_stride, head) +
                  int64_t(row0) * params.o_row_stride;
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(o_rc); ++r) {
-        int const row = get<0>(coord_rc(r, 0));
-        if (row < rows_left) {
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(o_rc); c += 2) {
-                int const col = get<1>(coord_rc(r, c));
-                if (col < params.d) {
-                    cutlass::Array<Element, 2> pair;
-                    pair[0] = o_rc(r, c);
-                    pair[1] = o_rc(r, c + 1);
-                    *reinterpret_cast<cutlass::Array<Element, 2>*>(o + int64_t(row) * params.o_row_stride + col) =
-                        pair;
-                }
-            }
-        }
-    }
+    store_row_pairs(coord_rc, rowcol_view(r_o), o, params.o_row_stride, seq.q.len - row0, params.d,
+                    [](Element x) { return x; });
 }
 
 // The tile's lse and output, through TMA when `via_tma` (a batched call without seqused_q).
@@ -102,29 +108,6 @@ __device__ __forceinline__ void store_output(typename Traits::TmaO const& tma_o,
         store_output_tma<Traits>(tma_o, shared, r_o, params, seq, m_block, head, ctid);
     } else {
         store_output_registers<Traits>(coord_rc, r_o, params, seq, row0, head);
-    }
-}
-
-// Stores an fp32 accumulator seen as (rows, cols), times `scale`, from registers in pairs of adjacent columns (c, c + 1),
-// c even: rows below rows_left, columns below cols, of the tile at `base`.
-template <typename Element, class CoordRC, class AccRC>
-__device__ __forceinline__ void store_scaled_rows(CoordRC const& coord_rc, AccRC const& acc_rc, float scale,
-                                                  Element* base, int64_t row_stride, int rows_left, int cols) {
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(acc_rc); ++r) {
-        int const row = get<0>(coord_rc(r, 0));
-        if (row < rows_left) {
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(acc_rc); c += 2) {
-                int const col = get<1>(coord_rc(r, c));
-                if (col < cols) {
-                    cutlass::Array<Element, 2> pair;
-                    pair[0] = Element(acc_rc(r, c) * scale);
-                    pair[1] = Element(acc_rc(r, c + 1) * scale);
-                    *reinterpret_cast<cutlass::Array<Element, 2>*>(base + int64_t(row) * row_stride + col) = pair;
-                }
-            }
-        }
     }
 }
 
