@@ -36,6 +36,11 @@ __device__ __forceinline__ void apply_alibi(TensorS& s, TensorC const& coord, in
     }
 }
 
+// ALiBi's slope for (batch, head), divided by the logit scale.
+__device__ __forceinline__ float alibi_slope(AttnParams const& params, int batch, int head) {
+    return params.alibi_slopes[batch * params.alibi_batch_stride + head] / params.logit_scale;
+}
+
 // The backward's score mods, on S (raw scores) and dP (already minus D), before the mask: softcap makes S tanh(S pre)
 // and multiplies dP by the tanh derivative 1 - tanh^2, since dS is taken w.r.t. q.k (taken before any mask makes S
 // -inf); ALiBi adds its bias to S, seen as (query, key) in s_rc with coordinates coord_rc.
@@ -49,8 +54,7 @@ __device__ __forceinline__ void apply_score_mods_bwd(AttnParams const& params, A
         for (int i = 0; i < cute::size(acc_s); ++i) { acc_dp(i) *= 1.f - acc_s(i) * acc_s(i); }
     }
     if (params.alibi_slopes != nullptr) {
-        float const slope = params.alibi_slopes[batch * params.alibi_batch_stride + head] / params.logit_scale;
-        apply_alibi(s_rc, coord_rc, row0, col0, window.diag_offset(), slope);
+        apply_alibi(s_rc, coord_rc, row0, col0, window.diag_offset(), alibi_slope(params, batch, head));
     }
 }
 

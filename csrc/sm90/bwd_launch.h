@@ -65,14 +65,24 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
     return cudaGetLastError();
 }
 
-// Tiles: 64 query rows by 128 keys (64 per consumer warpgroup), Q and dO double-buffered. Accumulators per consumer
-// thread: dK + dV kHeadDim, S^T + dP^T 64, dQ kHeadDim / 4.
+// Tiles: 128 keys (64 per consumer warpgroup) by query blocks of 64 rows, or 128 at head dim 64 without softcap
+// (whose tanh derivative needs S^T and dP^T in registers together, which 128 rows do not leave room for: see
+// BwdTraits::kdPAfterP); Q and dO double-buffered. Accumulators per consumer thread: dK + dV kHeadDim, S^T and dP^T
+// block_m / 2 each, dQ block_m * kHeadDim / 256.
+template <int kHeadDim, bool kSoftcap>
+constexpr BwdTile kBwdTile{.block_m = kHeadDim == 64 && !kSoftcap ? 128 : 64, .block_n = 128, .q_stages = 2,
+                           .do_stages = 2};
+
 template <int kHeadDim, typename Element>
 cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "no SM90 backward tile for this head dim");
     BwdParams const bound = BwdWorkspace(params, kHeadDim, true).bind(params, workspace);
-    return launch_bwd<BwdTraits<kHeadDim, BwdTile{.block_m = 64, .block_n = 128, .q_stages = 2, .do_stages = 2},
-                                Element>>(bound, hints, stream);
+    if constexpr (kBwdTile<kHeadDim, true>.block_m != kBwdTile<kHeadDim, false>.block_m) {
+        if (params.has_softcap) {
+            return launch_bwd<BwdTraits<kHeadDim, kBwdTile<kHeadDim, true>, Element>>(bound, hints, stream);
+        }
+    }
+    return launch_bwd<BwdTraits<kHeadDim, kBwdTile<kHeadDim, false>, Element>>(bound, hints, stream);
 }
 
 template <int kHeadDim, typename Element, typename ElementOut>

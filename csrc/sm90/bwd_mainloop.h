@@ -313,17 +313,23 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         }
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        auto issue_dp = [&] {
+            shared.do_ring.wait(do_state);
+            gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, do_state.index), acc_dp);
+        };
+        constexpr bool kdPAfterP = Traits::kdPAfterP;
+        // Softcap's derivative multiplies dP^T: D comes off first, and S^T and dP^T are needed together.
+        constexpr bool kSoftcap = decltype(mods)::value && !kdPAfterP;
         shared.q_ring.wait(q_state);
         gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_state.index), acc_s);
-        shared.do_ring.wait(do_state);
-        gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, do_state.index), acc_dp);
+        if constexpr (!kdPAfterP) { issue_dp(); }
 
         auto s_rc = rowcol_view(acc_s);    // (key, query)
         auto dp_rc = rowcol_view(acc_dp);
         auto s_qk = transposed(s_rc);      // (query, key)
         auto dp_qk = transposed(dp_rc);
         float const* dpsum = shared.dpsum[do_state.index];
-        if constexpr (decltype(mods)::value) {
+        if constexpr (kSoftcap) {
             // dS = P (dP - D) (1 - tanh^2): D comes off before the score mods.
             warpgroup_wait<0>();
             CUTE_UNROLL
@@ -335,7 +341,11 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
             apply_score_mods_bwd(params, acc_s, acc_dp, s_qk, coord_qk, seq.batch, cur.head, row0, col0,
                                  window);
         } else {
-            warpgroup_wait<1>();  // S^T is done (wgmma batches complete in order)
+            warpgroup_wait<kdPAfterP ? 0 : 1>();  // S^T is done (wgmma batches complete in order)
+            if constexpr (decltype(mods)::value) {  // ALiBi only: run_bwd gives softcap to a 64-row tile
+                apply_alibi(s_qk, coord_qk, row0, col0, window.diag_offset(),
+                            alibi_slope(params, seq.batch, cur.head));
+            }
         }
         // Keys past sk are masked too: their zero scores would give P = exp2(-lse) > 0.
         if (Range::needs_mask(window, cur.m_block, n_block)) { apply_mask(s_qk, coord_qk, window, row0, col0); }
@@ -348,14 +358,24 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         }
         Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(AccSLayout{}));
         convert_fragment_into(acc_s, tdVrP);
-        if constexpr (!decltype(mods)::value) { warpgroup_wait<0>(); }  // dP^T is done
+        if constexpr (kdPAfterP) { issue_dp(); }
+        // dV needs only P: it runs behind dP^T, under dS's math.
         gemm<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, do_state.index), acc_dv);
+        warpgroup_wait<1>();  // dP^T is done
 
+        // With dP^T issued after P, S^T's fp32 registers are gone: dS takes P from its 16-bit copy.
+        auto p_qk = [&] {
+            if constexpr (kdPAfterP) {
+                return transposed(rowcol_view(make_tensor(tdVrP.data(), AccSLayout{})));
+            } else {
+                return s_qk;
+            }
+        }();
         CUTE_UNROLL
         for (int c = 0; c < kCols; ++c) {
-            float const d = decltype(mods)::value ? 0.f : dpsum[get<0>(coord_qk(c, 0))];
+            float const d = kSoftcap ? 0.f : dpsum[get<0>(coord_qk(c, 0))];
             CUTE_UNROLL
-            for (int k = 0; k < size<1>(dp_qk); ++k) { dp_qk(c, k) = s_qk(c, k) * (dp_qk(c, k) - d); }
+            for (int k = 0; k < size<1>(dp_qk); ++k) { dp_qk(c, k) = float(p_qk(c, k)) * (dp_qk(c, k) - d); }
         }
         // dS in accumulator order: the registers of the dK GEMM's A operand, and stmatrix's source.
         Tensor r_ds = make_tensor<Element>(AccSLayout{});

@@ -152,9 +152,13 @@ struct BwdTraits {
     static constexpr int kConsumerWarpGroups = kBlockN / 64;
     static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
     static constexpr int kNThreads = kConsumerThreads + 128;
-    // dS is staged with rows of kBlockM 16-bit values: one 128-byte swizzle atom wide.
-    static_assert(kBlockM == 64 && kBlockN % 64 == 0 && kHeadDim % 64 == 0);
+    // dS is staged as (key, query) rows of 128-byte swizzle atoms, one per 64 queries.
+    static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 64 == 0);
     static_assert(kConsumerWarpGroups == 2, "dQ splits the head dim in two");
+    // With 128 query rows, S^T + dP^T (128 fp32 registers per thread) next to dK + dV leave ptxas too few registers:
+    // it serializes the wgmmas and moves dK and dV to local memory. dP^T is then issued once P has left S^T's
+    // registers (except under the score mods, which need both), so that the two never live together.
+    static constexpr bool kdPAfterP = kBlockM > 64;
     static constexpr int kProducerRegisters = 24;
     static constexpr int kConsumerRegisters = 240;
     static_assert(128 * (kProducerRegisters + kConsumerWarpGroups * kConsumerRegisters) <=
