@@ -1,13 +1,14 @@
 // SM90-tier backward main loop, by role. The CTA owns kBlockN keys of one kv head; K and V arrive once by TMA. The
 // producer streams, for every query head of the GQA group and every query block that sees the keys, Q with its lse
-// (log2 units) and dO with its D through two rings; the store warp adds each block's dQ into the workspace. Each consumer warpgroup owns 64 of the keys and runs, per
-// query block:
+// (log2 units) and dO with its D through two rings; the store warp adds each block's dQ into the workspace. Each
+// consumer warpgroup owns 64 of the keys and runs, per query block:
 //     S^T = K Q^T, dP^T = V dO^T issued                         (keys on wgmma's M, both from shared memory)
 //     wait for S^T; P = exp2(S^T - lse), masked                  (overlaps the dP GEMM)
-//     wait for dP^T; dS = P (dP - D)
-//     dV += P^T dO issued (P from registers); dS^T to shared memory; barrier of both warpgroups
+//     dV += P^T dO issued (P from registers); wait for dP^T; dS = P (dP - D)   (dV runs under dS's math)
+//     dS^T to shared memory; barrier of both warpgroups
 //     dK += dS^T Q (dS from registers) and dQ = dS K (its half of the head dim) issued
 //     wait; release Q and dO; dQ to shared memory, for the store warp to add into the fp32 workspace
+// With 128-row query blocks (BwdTraits::kdPAfterP), dP^T is issued only after P, behind which dV queues.
 // The softmax scale is applied once, to dK in the epilogue and to dQ in the conversion kernel.
 #pragma once
 
