@@ -91,9 +91,8 @@ def check_inputs(q, k, v, alibi_slopes, tier) -> None:
 
 
 def _check_devices(q, k, v, alibi_slopes) -> None:
-    device = q.device
-    if alibi_slopes is None and device.type == "cuda" and k.device == device and v.device == device:
-        return  # the common case, without building check_device's names
+    if alibi_slopes is None and q.is_cuda and k.get_device() == q.get_device() and v.get_device() == q.get_device():
+        return  # the common case, without building check_device's names (or device objects)
     check_device(_named_tensors(q, k, v, alibi_slopes))
 
 

@@ -65,11 +65,17 @@ def parse_tier_name(name) -> str:
     return tier
 
 
+# os.environ.get costs about ten times a dict lookup (it encodes the key on every call); os.environ's own dict, which
+# every change made through os.environ updates, is read with the key encoded once.
+_TIER_ENV_KEY = os.environ.encodekey(TIER_ENV_VAR)
+
+
 def requested_tier(tier: Optional[str]) -> Optional[str]:
     """The tier override: the tier= argument wins over the environment variable; an empty variable is unset."""
     if tier is not None:
         return tier
-    return os.environ.get(TIER_ENV_VAR) or None
+    value = os.environ._data.get(_TIER_ENV_KEY)
+    return os.environ.decodevalue(value) if value else None
 
 
 def select_tier(capability: Sequence[int], override: Optional[str] = None) -> str:

@@ -38,10 +38,17 @@ def _check_dropout(dropout_p) -> None:
         raise NotImplementedError(f"dropout is not supported yet: dropout_p must be 0.0, got {dropout_p!r}")
 
 
+_NO_WINDOW = (-1, -1)
+
+
 def _scalar_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic):
     """flash-attn 2's scalar arguments, checked, with flash-attn 2's conventions resolved: a negative window bound
     is unbounded and softcap <= 0 is off. Returns (softmax_scale, causal, window_size, softcap, deterministic) with
     Python values: a float or None, a bool, two ints >= -1, a float >= 0, a bool."""
+    if (type(dropout_p) is float and dropout_p == 0.0 and softmax_scale is None and type(causal) is bool
+            and type(window_size) is tuple and window_size == _NO_WINDOW and type(softcap) is float and softcap == 0.0
+            and type(deterministic) is bool):
+        return None, causal, _NO_WINDOW, 0.0, deterministic  # the defaults, as most calls pass them: nothing to check
     _check_dropout(dropout_p)
     scale = None if softmax_scale is None else _checks.as_float(softmax_scale)
     if scale is None and softmax_scale is not None:
