@@ -292,13 +292,13 @@ def flash_attn_combine(
             or lse_partial.device != out_partial.device):
         raise ValueError(f"lse_partial must have shape {tuple(out_partial.shape[:-1])} (out_partial's without "
                          f"head_dim) on its device, got {getattr(lse_partial, 'shape', type(lse_partial).__name__)}")
+    # As few elementwise passes as the math allows: a decode step's combine is a dozen tiny kernels.
     lse = lse_partial.float()
-    top = lse.amax(dim=0)
-    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)  # no split saw a key: weights 0, not NaN
-    weights = torch.exp(lse - top)
+    top = lse.amax(dim=0).nan_to_num_(nan=float("nan"), neginf=0.0)  # no split saw a key: weights 0, not NaN
+    weights = (lse - top).exp_()
     total = weights.sum(dim=0)
-    weights = weights / torch.where(total > 0, total, torch.ones_like(total))
-    combined = (out_partial.float() * weights.unsqueeze(-1)).sum(dim=0)
+    combined = (out_partial * weights.unsqueeze(-1)).sum(dim=0)  # fp32 by type promotion
+    combined /= total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)  # 0 / tiny = 0 where no key
     dtype = out_dtype if out_dtype is not None else out_partial.dtype
     if out is not None:
         if out.shape != combined.shape:
@@ -308,5 +308,5 @@ def flash_attn_combine(
         out = combined.to(dtype)
     if not return_lse:
         return out, None
-    lse_out = torch.log(total) + top  # log(0) = -inf where no split saw a key
+    lse_out = total.log_().add_(top)  # log(0) = -inf where no split saw a key
     return out, lse_out.transpose(-1, -2).contiguous().transpose(-1, -2)

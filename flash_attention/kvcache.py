@@ -178,11 +178,12 @@ def flash_attn_with_kvcache(
         cache_seqlens = cache_len
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
-    filled = cache_seqlens.long().clamp(0, cache_len)
     s_new = 0 if k is None else k.shape[1]
     causal = _checks.as_flag(causal, "causal")
     local = _checks.window_pair(window_size) != (-1, -1)
 
+    if k is not None or rotary_cos is not None:
+        filled = cache_seqlens.long().clamp(0, cache_len)
     if k is not None:
         rows = (filled[:, None] + torch.arange(s_new, device=q.device)).clamp(max=cache_len - 1)
         if rotary_cos is not None:
@@ -197,9 +198,6 @@ def flash_attn_with_kvcache(
 
     keys = _cache_rows(k_cache, block_table, cache_batch_idx, b)
     values = _cache_rows(v_cache, block_table, cache_batch_idx, b)
-    leftpad = (torch.zeros(b, dtype=torch.long, device=q.device) if cache_leftpad is None
-               else cache_leftpad.long().clamp(0, cache_len))
-    used = (filled + s_new).clamp(max=cache_len)
     hk = keys.shape[2]
     group = h // hk
     # Where every query row sees the same keys (one query row, or no mask) and no per-head or per-position bias
@@ -220,14 +218,9 @@ def flash_attn_with_kvcache(
         causal = False  # one query row sees every used key under a bottom-right causal mask
     splits = _splits(num_splits, b * heads * -(-rows // 64), cache_len, q.device) if exact else 1
     chunk = -(-cache_len // splits)
-    # Sequence (i, s) is chunk s of sequence i's used keys [leftpad[i], used[i]): rows i * cache_len + leftpad[i] +
-    # s * chunk onwards of the packed cache (clamped to its slot, where the chunk is empty), at most `chunk` of them.
-    offsets = (leftpad[:, None] + torch.arange(splits, device=q.device) * chunk).clamp(max=cache_len)  # (b, splits)
-    starts = (torch.arange(b, device=q.device)[:, None] * cache_len + offsets).flatten()
-    cu_seqlens_k = torch.cat((starts, starts.new_full((1,), b * cache_len))).to(torch.int32)
-    seqused_k = (used[:, None] - offsets).clamp(0, chunk).flatten().to(torch.int32)
     queries = q.reshape(b, 1, rows, heads, d).expand(b, splits, rows, heads, d)  # each chunk's copy of the rows
-    cu_seqlens_q = (torch.arange(b * splits + 1, device=q.device) * rows).to(torch.int32)
+    cu_seqlens_q, cu_seqlens_k, seqused_k = _split_sequences(cache_seqlens, cache_leftpad, s_new, b, splits, chunk,
+                                                             cache_len, rows)
     out, lse, _ = interface.flash_attn_varlen_func(
         queries.reshape(b * splits * rows, heads, d), keys.reshape(b * cache_len, hk, d),
         values.reshape(b * cache_len, hk, d), cu_seqlens_q, cu_seqlens_k, rows, min(chunk, cache_len),
@@ -246,6 +239,59 @@ def flash_attn_with_kvcache(
     else:
         lse = lse.contiguous()
     return (out, lse) if return_softmax_lse else out
+
+
+def _split_sequences(cache_seqlens, cache_leftpad, s_new: int, b: int, splits: int, chunk: int, cache_len: int,
+                     rows: int):
+    """(cu_seqlens_q, cu_seqlens_k, seqused_k) of the varlen call over the packed cache (b * cache_len rows):
+    sequence (i, s) has `rows` query rows and, as keys, chunk s of sequence i's used keys [leftpad[i], cache_seqlens[i]
+    + s_new), i.e. rows i * cache_len + leftpad[i] + s * chunk onwards (clamped to its slot, where the chunk is
+    empty), at most `chunk` of them. Without leftpad the cumulative lengths depend on the shapes only and come from
+    _SplitLayout's cache: a decode step then spends two small kernels here rather than twenty."""
+    if cache_leftpad is None:
+        layout = _SplitLayout.of(cache_seqlens.device, b, splits, chunk, cache_len, rows)
+        used = cache_seqlens[:, None] - layout.offsets
+        if s_new:
+            used += s_new
+        return layout.cu_seqlens_q, layout.cu_seqlens_k, torch.clamp(used, layout.zeros, layout.limits).flatten()
+    device = cache_seqlens.device
+    leftpad = cache_leftpad.long().clamp(0, cache_len)
+    used = (cache_seqlens.long().clamp(0, cache_len) + s_new).clamp(max=cache_len)
+    offsets = (leftpad[:, None] + torch.arange(splits, device=device) * chunk).clamp(max=cache_len)  # (b, splits)
+    starts = (torch.arange(b, device=device)[:, None] * cache_len + offsets).flatten()
+    cu_seqlens_k = torch.cat((starts, starts.new_full((1,), b * cache_len))).to(torch.int32)
+    seqused_k = (used[:, None] - offsets).clamp(0, chunk).flatten().to(torch.int32)
+    cu_seqlens_q = (torch.arange(b * splits + 1, device=device) * rows).to(torch.int32)
+    return cu_seqlens_q, cu_seqlens_k, seqused_k
+
+
+class _SplitLayout:
+    """The shape-only int32 tensors of _split_sequences without leftpad: cu_seqlens_q and cu_seqlens_k, the chunks'
+    first keys (offsets, (1, splits)) and their sizes within the cache (limits), and zeros. Kept per shape, except
+    under CUDA graph capture, whose kernels only run at replay: tensors made then are the graph's, never cached."""
+    _cache = {}
+    _MAX_ENTRIES = 256
+
+    def __init__(self, device, b, splits, chunk, cache_len, rows):
+        starts = torch.arange(splits, device=device, dtype=torch.int64) * chunk
+        self.offsets = starts.clamp(max=cache_len).to(torch.int32)[None]
+        self.limits = (cache_len - starts).clamp(0, chunk).to(torch.int32)[None]
+        self.zeros = torch.zeros_like(self.limits)
+        firsts = torch.arange(b, device=device, dtype=torch.int64)[:, None] * cache_len + self.offsets
+        self.cu_seqlens_k = torch.cat((firsts.flatten(), firsts.new_full((1,), b * cache_len))).to(torch.int32)
+        self.cu_seqlens_q = (torch.arange(b * splits + 1, device=device, dtype=torch.int64) * rows).to(torch.int32)
+
+    @classmethod
+    def of(cls, device, b, splits, chunk, cache_len, rows):
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return cls(device, b, splits, chunk, cache_len, rows)
+        key = (device, b, splits, chunk, cache_len, rows)
+        layout = cls._cache.get(key)
+        if layout is None:
+            if len(cls._cache) >= cls._MAX_ENTRIES:
+                cls._cache.clear()
+            layout = cls._cache[key] = cls(device, b, splits, chunk, cache_len, rows)
+        return layout
 
 
 def _splits(num_splits: int, tiles: int, cache_len: int, device: torch.device) -> int:
