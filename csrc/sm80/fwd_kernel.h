@@ -140,10 +140,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
         Tensor coord_s_rc =
             rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
-        float const alibi_slope =
-            params.alibi_slopes == nullptr
-                ? 0.f
-                : params.alibi_slopes[blk.batch * params.alibi_batch_stride + blk.head] / params.logit_scale;
+        float const slope = params.alibi_slopes == nullptr ? 0.f : alibi_slope(params, blk.batch, blk.head);
 
         // The loop exists twice: with and without softcap / ALiBi. Left as runtime branches inside one loop, the
         // compiler if-converts them and every iteration pays for their instructions.
@@ -182,7 +179,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 if constexpr (decltype(with_score_mods)::value) {
                     if (params.has_softcap) { apply_softcap(acc_s, params.softcap_pre); }
                     if (params.alibi_slopes != nullptr) {
-                        apply_alibi(s_rc, coord_s_rc, row0, col0, window.diag_offset(), alibi_slope);
+                        apply_alibi(s_rc, coord_s_rc, row0, col0, window.diag_offset(), slope);
                     }
                 }
                 if (Range::needs_mask(window, m_block, n_block)) {

@@ -92,12 +92,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             Tile const t = tile_at(idx);
             if (!t.blk.valid) { continue; }
             if (!t.n_range.empty()) {
-                float const alibi_slope = params.alibi_slopes == nullptr
-                                              ? 0.f
-                                              : params.alibi_slopes[t.blk.batch * params.alibi_batch_stride +
-                                                                    t.blk.head] /
-                                                    params.logit_scale;
-                consume<Traits>(params, shared, t.window, t.blk.block, t.n_range, alibi_slope, ctid, state, turns,
+                float const slope =
+                    params.alibi_slopes == nullptr ? 0.f : alibi_slope(params, t.blk.batch, t.blk.head);
+                consume<Traits>(params, shared, t.window, t.blk.block, t.n_range, slope, ctid, state, turns,
                                 acc_o, softmax);
             }
         }
