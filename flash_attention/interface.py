@@ -62,6 +62,24 @@ def _scalar_options(dropout_p, softmax_scale, causal, window_size, softcap, dete
             _checks.as_flag(deterministic, "deterministic"))
 
 
+def pack_gqa(q: torch.Tensor, hk: int) -> torch.Tensor:
+    """q (b, sq, hk * group, d) as (b, sq * group, hk, d): the query heads that share a kv head become rows of that
+    kv head, row (query, head in group), so a kernel reads each K/V block once per kv head rather than once per query
+    head, its query tile filled with group * sq rows. A view when sq is 1. Exact where every row sees the same keys
+    in the same order (one query row, or no mask) and no per-head or per-position bias applies."""
+    b, sq, h, d = q.shape
+    return q.reshape(b, sq, hk, h // hk, d).transpose(2, 3).reshape(b, sq * (h // hk), hk, d)
+
+
+def unpack_gqa(out: torch.Tensor, lse: torch.Tensor, sq: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """pack_gqa's inverse on the attention of the packed rows: out (b, sq * group, hk, d) -> (b, sq, h, d), lse
+    (b, hk, sq * group) -> (b, h, sq)."""
+    b, rows, hk, d = out.shape
+    group = rows // sq
+    return (out.reshape(b, sq, group, hk, d).transpose(2, 3).reshape(b, sq, hk * group, d),
+            lse.reshape(b, hk, sq, group).transpose(2, 3).reshape(b, hk * group, sq))
+
+
 # The sequence arguments of a batched call: no cu_seqlens or seqused, max_seqlen 0 (the tensors' rows).
 _BATCHED = (None, None, None, None, 0, 0)
 
@@ -88,12 +106,10 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     b, sq, h, d = q.shape
     hk = k.shape[2]
     if sq == 1 and h > hk and window == (-1, -1) and alibi_slopes is None:
-        # A decode step with GQA: its one query row sees every key in every head, so the query heads of each kv
-        # head become the rows of one query tile (a strided view, no copy), and each K/V block is read once per kv
-        # head rather than once per query head. Exact: each row's softmax runs over the same keys in the same order.
-        packed = q.reshape(b, hk, h // hk, d).transpose(1, 2)  # (b, group, hk, d)
-        out, lse = _attention(packed, k, v, _BATCHED, softmax_scale, window, softcap, None, deterministic, tier)
-        return out.transpose(1, 2).reshape(b, 1, h, d), lse.reshape(b, h, 1)
+        # A decode step with GQA: its one query row sees every key in every head, so pack_gqa applies (a view here).
+        out, lse = _attention(pack_gqa(q, hk), k, v, _BATCHED, softmax_scale, window, softcap, None, deterministic,
+                              tier)
+        return unpack_gqa(out, lse, sq)
     return _attention(q, k, v, _BATCHED, softmax_scale, window, softcap, alibi_slopes, deterministic, tier)
 
 

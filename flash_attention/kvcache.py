@@ -202,8 +202,7 @@ def flash_attn_with_kvcache(
     group = h // hk
     # Where every query row sees the same keys (one query row, or no mask) and no per-head or per-position bias
     # applies, the keys can be regrouped freely:
-    # - GQA packing: the query heads that share a kv head become rows of one sequence of that kv head, so the kernel
-    #   reads each K/V block once per kv head and fills its query tile with group * seqlen_q rows;
+    # - GQA packing (interface.pack_gqa): the query heads that share a kv head become rows of one sequence of it;
     # - split-KV: each sequence's used keys are cut into `splits` chunks, each attended to by a copy of its query rows
     #   as a sequence of its own, and the chunks' outputs are combined by their lse (flash_attn_combine): a decode
     #   step with few (sequence, kv head) pairs then fills the GPU.
@@ -211,7 +210,7 @@ def flash_attn_with_kvcache(
     pack = exact and group > 1
     if pack:
         rows, heads = sq * group, hk
-        q = q.reshape(b, sq, hk, group, d).transpose(2, 3)  # (b, sq, group, hk, d): rows (query, head in group)
+        q = interface.pack_gqa(q, hk)
     else:
         rows, heads = sq, h
     if exact:
@@ -234,8 +233,7 @@ def flash_attn_with_kvcache(
     else:
         out, lse = out[:, 0], lse[:, :, 0].transpose(0, 1)  # (b, rows, heads, d), (b, heads, rows)
     if pack:
-        out = out.view(b, sq, group, hk, d).transpose(2, 3).reshape(b, sq, h, d)
-        lse = lse.reshape(b, hk, sq, group).transpose(2, 3).reshape(b, h, sq)
+        out, lse = interface.unpack_gqa(out, lse, sq)
     else:
         lse = lse.contiguous()
     return (out, lse) if return_softmax_lse else out
@@ -246,10 +244,10 @@ def _split_sequences(cache_seqlens, cache_leftpad, s_new: int, b: int, splits: i
     """(cu_seqlens_q, cu_seqlens_k, seqused_k) of the varlen call over the packed cache (b * cache_len rows):
     sequence (i, s) has `rows` query rows and, as keys, chunk s of sequence i's used keys [leftpad[i], cache_seqlens[i]
     + s_new), i.e. rows i * cache_len + leftpad[i] + s * chunk onwards (clamped to its slot, where the chunk is
-    empty), at most `chunk` of them. Without leftpad the cumulative lengths depend on the shapes only and come from
-    _SplitLayout's cache: a decode step then spends two small kernels here rather than twenty."""
+    empty), at most `chunk` of them. cu_seqlens_q, and without leftpad cu_seqlens_k, depend on the shapes only and
+    come from _SplitLayout's cache: a decode step then spends two small kernels here rather than twenty."""
+    layout = _SplitLayout.of(cache_seqlens.device, b, splits, chunk, cache_len, rows)
     if cache_leftpad is None:
-        layout = _SplitLayout.of(cache_seqlens.device, b, splits, chunk, cache_len, rows)
         used = cache_seqlens[:, None] - layout.offsets
         if s_new:
             used += s_new
@@ -261,8 +259,7 @@ def _split_sequences(cache_seqlens, cache_leftpad, s_new: int, b: int, splits: i
     starts = (torch.arange(b, device=device)[:, None] * cache_len + offsets).flatten()
     cu_seqlens_k = torch.cat((starts, starts.new_full((1,), b * cache_len))).to(torch.int32)
     seqused_k = (used[:, None] - offsets).clamp(0, chunk).flatten().to(torch.int32)
-    cu_seqlens_q = (torch.arange(b * splits + 1, device=device) * rows).to(torch.int32)
-    return cu_seqlens_q, cu_seqlens_k, seqused_k
+    return layout.cu_seqlens_q, cu_seqlens_k, seqused_k
 
 
 class _SplitLayout:
