@@ -218,16 +218,6 @@ __device__ __forceinline__ void store_dq(BwdParams const& params, typename Trait
     }
 }
 
-// Zeroes rows [rows_left, rows) of a (rows, head dim) shared tile: rows that hold another sequence's data or, past
-// seqused, anything (0 * NaN is NaN). The consumers share the work; the caller fences and synchronises.
-template <class Traits, class SmemTile>
-__device__ __forceinline__ void zero_tail_rows(SmemTile&& s, int rows_left, int ctid) {
-    constexpr int kRows = decltype(size<0>(s))::value, kCols = decltype(size<1>(s))::value;
-    for (int idx = max(rows_left, 0) * kCols + ctid; idx < kRows * kCols; idx += Traits::kConsumerThreads) {
-        s(idx / kCols, idx % kCols) = typename Traits::Element(0);
-    }
-}
-
 // Consumer warpgroups (ctid: thread index among them): accumulate this CTA's dK and dV (unscaled) in registers, and
 // add each query block's dQ into the workspace.
 template <class Traits, class AccKV>
@@ -290,8 +280,8 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
 
     cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
     if (foreign_k && col0 + kBlockN > seq.k.len) {
-        zero_tail_rows<Traits>(sK, seq.k.len - col0, ctid);
-        zero_tail_rows<Traits>(sV, seq.k.len - col0, ctid);
+        zero_tail_rows<kConsumerThreads>(sK, seq.k.len - col0, ctid);
+        zero_tail_rows<kConsumerThreads>(sV, seq.k.len - col0, ctid);
         cutlass::arch::fence_view_async_shared();
         sync_consumers<kConsumerThreads>();
     }
@@ -307,8 +297,8 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         if (foreign_q && row0 + kBlockM > sq) {
             shared.q_ring.wait(q_state);
             shared.do_ring.wait(do_state);
-            zero_tail_rows<Traits>(sQ(_, _, q_state.index), sq - row0, ctid);
-            zero_tail_rows<Traits>(sdO(_, _, do_state.index), sq - row0, ctid);
+            zero_tail_rows<kConsumerThreads>(sQ(_, _, q_state.index), sq - row0, ctid);
+            zero_tail_rows<kConsumerThreads>(sdO(_, _, do_state.index), sq - row0, ctid);
             cutlass::arch::fence_view_async_shared();
             sync_consumers<kConsumerThreads>();
         }

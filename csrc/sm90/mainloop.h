@@ -154,10 +154,7 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
     bool const v_tail_foreign = params.cu_seqlens_k != nullptr || params.seqused_k != nullptr;
     if (v_tail_foreign && n_block * kBlockN + kBlockN > window.sk) {
         shared.v_ring.wait(v_state);
-        int const rows_left = window.sk - n_block * kBlockN;
-        for (int idx = rows_left * kHeadDim + ctid; idx < kBlockN * kHeadDim; idx += Traits::kConsumerThreads) {
-            sV(idx / kHeadDim, idx % kHeadDim, v_state.index) = Element(0);
-        }
+        zero_tail_rows<Traits::kConsumerThreads>(sV(_, _, v_state.index), window.sk - n_block * kBlockN, ctid);
         cutlass::arch::fence_view_async_shared();
         sync_consumers<Traits::kConsumerThreads>();
     }

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cute/arch/cluster_sm90.hpp>
+#include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace flash::sm90 {
 
@@ -72,6 +74,18 @@ enum class BwdBarrierId : uint32_t { kConsumers = 0, kDqFull0 = 1, kDqEmpty0 = 3
 template <int kConsumerThreads>
 __device__ __forceinline__ void sync_consumers() {
     cutlass::arch::NamedBarrier::arrive_and_wait(kConsumerThreads, uint32_t(NamedBarrierId::kConsumers));
+}
+
+// Zeroes rows [rows_left, rows) of a (rows, head dim) shared tile: rows that hold another sequence's data or, past
+// seqused, anything (0 * NaN is NaN). The kThreads consumer threads (tid among them) share the work; the caller
+// fences and synchronises.
+template <int kThreads, class SmemTile>
+__device__ __forceinline__ void zero_tail_rows(SmemTile&& s, int rows_left, int tid) {
+    constexpr int kRows = decltype(cute::size<0>(s))::value, kCols = decltype(cute::size<1>(s))::value;
+    using Element = typename std::decay_t<SmemTile>::value_type;
+    for (int idx = max(rows_left, 0) * kCols + tid; idx < kRows * kCols; idx += kThreads) {
+        s(idx / kCols, idx % kCols) = Element(0);
+    }
 }
 
 __device__ __forceinline__ void sync_warpgroup(int wg) {

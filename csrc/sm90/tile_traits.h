@@ -21,6 +21,12 @@ using namespace cute;
 
 // A forward tile: block_m query rows (64 per consumer warpgroup), key blocks of block_n columns, K and V rings of
 // kv_stages blocks.
+// setmaxnreg moves registers within what the launch bound gave the CTA (65536 over its threads, in multiples of 8):
+// a consumer increase beyond it never returns. One producer warpgroup, `consumer_wgs` consumer warpgroups.
+constexpr bool register_split_fits(int threads, int producer_registers, int consumer_wgs, int consumer_registers) {
+    return 128 * (producer_registers + consumer_wgs * consumer_registers) <= threads * (65536 / threads / 8 * 8);
+}
+
 struct FwdTile {
     int block_m, block_n, kv_stages;
 };
@@ -42,10 +48,7 @@ struct FwdTraits {
     // producer needs few.
     static constexpr int kProducerRegisters = kConsumerWarpGroups == 2 ? 24 : 32;
     static constexpr int kConsumerRegisters = kConsumerWarpGroups == 2 ? 240 : 160;
-    // setmaxnreg moves registers within what the launch bound gave the CTA (65536 over its threads, in multiples of
-    // 8): a consumer increase beyond it never returns.
-    static_assert(128 * (kProducerRegisters + kConsumerWarpGroups * kConsumerRegisters) <=
-                  kNThreads * (65536 / kNThreads / 8 * 8));
+    static_assert(register_split_fits(kNThreads, kProducerRegisters, kConsumerWarpGroups, kConsumerRegisters));
     // Consumer warpgroups take turns issuing their GEMMs, so that one's softmax runs under the other's GEMMs. Past
     // d 128 the O GEMM is long enough to hide the softmax within a warpgroup, and the turns only add waits.
     static constexpr bool kPingPong = kHeadDim <= 128;
@@ -161,8 +164,7 @@ struct BwdTraits {
     static constexpr bool kdPAfterP = kBlockM > 64;
     static constexpr int kProducerRegisters = 24;
     static constexpr int kConsumerRegisters = 240;
-    static_assert(128 * (kProducerRegisters + kConsumerWarpGroups * kConsumerRegisters) <=
-                  kNThreads * (65536 / kNThreads / 8 * 8));
+    static_assert(register_split_fits(kNThreads, kProducerRegisters, kConsumerWarpGroups, kConsumerRegisters));
 
     using WarpGroupsOnM = Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>;
     using TiledMmaSdP = decltype(make_tiled_mma(
