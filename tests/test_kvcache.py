@@ -247,6 +247,7 @@ def test_varlen_block_table_matches_packed(stub_kernel, page_size, causal):
 @pytest.mark.parametrize("page_size", [1, 3, 16, 256])
 def test_varlen_block_table_matches_packed_cuda(page_size):
     from flash_attention import flash_attn_varlen_func
+    require_kernel(64, bf16)
     q, k, v, cu_q, cu_k, pool_k, pool_v, table, mq, mk = paged_varlen_case(page_size, "cuda")
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True, return_attn_probs=True)
     out_p, lse_p, _ = flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, mq, mk, causal=True,
@@ -340,6 +341,7 @@ def test_split_kv_cpu(stub_kernel, case, num_splits):
 @pytest.mark.cuda
 @pytest.mark.parametrize("case, num_splits", SPLIT_CASES, ids=[f"s{i}" for i in range(len(SPLIT_CASES))])
 def test_split_kv_cuda(case, num_splits):
+    require_kernel(64, bf16)
     out, lse, _, (ref_out, ref_lse, _, _), (low_out, _, _, _) = run_case(*case, device="cuda",
                                                                          num_splits=num_splits)
     err = (out.float().cpu() - ref_out.float()).abs().max()
