@@ -6,8 +6,10 @@
 //     wait for S^T; P = exp2(S^T - lse), masked                  (overlaps the dP GEMM)
 //     dV += P^T dO issued (P from registers); wait for dP^T; dS = P (dP - D)   (dV runs under dS's math)
 //     dS^T to shared memory; barrier of both warpgroups
-//     dK += dS^T Q (dS from registers) and dQ = dS K (its half of the head dim) issued
-//     wait; release Q and dO; dQ to shared memory, for the store warp to add into the fp32 workspace
+//     dQ = dS K (its half of the head dim; with 128-row query blocks, its 64 rows) and dK += dS^T Q (dS from
+//     registers) issued
+//     wait for dQ; release dO; dQ to shared memory (under the dK GEMM), for the store warp to add into the fp32
+//     workspace; wait for dK; release Q
 // With 128-row query blocks (BwdTraits::kdPAfterP), dP^T is issued only after P, behind which dV queues.
 // The softmax scale is applied once, to dK in the epilogue and to dQ in the conversion kernel.
 #pragma once
@@ -375,17 +377,15 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         cutlass::arch::fence_view_async_shared();
         sync_consumers<kConsumerThreads>();  // both warpgroups' dS are in shared memory
 
-        Tensor tdKrdS = make_tensor(r_ds.data(), acc_as_a_operand(AccSLayout{}));
-        gemm<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+        // dQ before dK: its staging below then runs under the dK GEMM.
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
         gemm<true>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
-        warpgroup_wait<1>();  // dV and dK are done: Q and dO are free
-        shared.q_ring.release_after_loads(q_state);  // lse2
-        q_state.advance();
+        Tensor tdKrdS = make_tensor(r_ds.data(), acc_as_a_operand(AccSLayout{}));
+        gemm<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+        warpgroup_wait<1>();  // dV and dQ are done: dO is free
         shared.do_ring.release_after_loads(do_state);  // D
         do_state.advance();
-        warpgroup_wait<0>();
 
         // dQ to this warpgroup's staging buffer, once the store warp has read the previous one out of it.
         DqStaging<Traits> const staging{wg};
@@ -399,6 +399,9 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         }
         cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk reduction
         staging.mark_full();
+        warpgroup_wait<0>();  // dK is done: Q is free
+        shared.q_ring.release_after_loads(q_state);  // lse2
+        q_state.advance();
     };
 
     auto query_loop = [&](auto mods) __attribute__((always_inline)) {

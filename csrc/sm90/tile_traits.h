@@ -157,7 +157,7 @@ struct BwdTraits {
     static constexpr int kNThreads = kConsumerThreads + 128;
     // dS is staged as (key, query) rows of 128-byte swizzle atoms, one per 64 queries.
     static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 64 == 0);
-    static_assert(kConsumerWarpGroups == 2, "dQ splits the head dim in two");
+    static_assert(kConsumerWarpGroups == 2, "dQ splits its rows or the head dim in two");
     // With 128 query rows, S^T + dP^T (128 fp32 registers per thread) next to dK + dV leave ptxas too few registers:
     // it serializes the wgmmas and moves dK and dV to local memory. dP^T is then issued once P has left S^T's
     // registers (except under the score mods, which need both), so that the two never live together.
@@ -173,11 +173,14 @@ struct BwdTraits {
         GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
                              GMMA::Major::MN>(),
         WarpGroupsOnM{}));
-    static constexpr int kdQCols = kHeadDim / kConsumerWarpGroups;  // head-dim columns of dQ per warpgroup
+    // dQ = dS K: with 128 query rows each warpgroup takes 64 of them (wgmma N = the head dim, as FA3/FA4 at d 64),
+    // with 64 rows half the head dim each.
+    static constexpr bool kdQSplitsRows = kBlockM == 64 * kConsumerWarpGroups;
+    static constexpr int kdQCols = kdQSplitsRows ? kHeadDim : kHeadDim / kConsumerWarpGroups;  // per warpgroup
     using TiledMmadQ = decltype(make_tiled_mma(
         GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kdQCols>, Int<kBlockN>>, GMMA::Major::MN,
                              GMMA::Major::MN>(),
-        Layout<Shape<_1, Int<kConsumerWarpGroups>, _1>>{}));
+        std::conditional_t<kdQSplitsRows, WarpGroupsOnM, Layout<Shape<_1, Int<kConsumerWarpGroups>, _1>>>{}));
 
     // K^T is read in head-dim slices of kdQCols: its swizzle atom must not be wider than one slice.
     using SmemAtomK = std::conditional_t<kdQCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
@@ -220,7 +223,7 @@ struct BwdTraits {
 
     // One warpgroup's dQ partial tile: its fragment, in dq_workspace_index order, is one contiguous run of the tile's
     // accumulator rows, added into them with one bulk reduction.
-    static constexpr int kdQChunkFloats = kBlockM * kdQCols;
+    static constexpr int kdQChunkFloats = kBlockM * kHeadDim / kConsumerWarpGroups;
 
     struct SharedStorage {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
