@@ -23,7 +23,8 @@ namespace flash::sm90 {
 
 using namespace cute;
 
-// Stores a (kBlockN, kHeadDim) accumulator of dK or dV, times `scale`: rows below rows_left, columns below params.d.
+// Stores a (kBlockN, kHeadDim) accumulator of dK or dV from registers, times `scale`: rows below rows_left, columns
+// below params.d.
 template <class Traits, class Acc>
 __device__ __forceinline__ void store_key_gradient(Acc const& acc, float scale, BwdParams const& params,
                                                    SeqlenInfo const& seq, TileCoord const& blk, void* base,
@@ -38,6 +39,44 @@ __device__ __forceinline__ void store_key_gradient(Acc const& acc, float scale, 
                     int64_t(blk.block) * kBlockN * row_stride;
     store_row_pairs(coord_rc, rowcol_view(acc), tile, row_stride, seq.k.len - blk.block * kBlockN, params.d,
                     [scale](float x) { return Element(x * scale); });
+}
+
+// Stores dK (times the softmax scale) and dV of a batched call through K's and V's shared buffers: stmatrix in the
+// accumulators' layout, then one TMA store each, which clips the rows past sk and the columns past d. A varlen or
+// seqused call, whose rows past the sequence belong to another or must stay zero, stores from registers instead, as
+// do the head dims without BwdTraits::kTmaKeyGradients.
+template <class Traits, class AccKV>
+__device__ __forceinline__ void store_key_gradients_tma(BwdKernelParams<Traits> const& args,
+                                                        typename Traits::SharedStorage& shared, AccKV& acc_dk,
+                                                        AccKV const& acc_dv, SeqlenInfo const& seq,
+                                                        TileCoord const& blk, int ctid) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    BwdParams const& params = args.p;
+    sync_consumers<Traits::kConsumerThreads>();  // every warpgroup's last GEMMs have read K and V
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
+    typename Traits::SmemCopydKV smem_copy;
+    auto thr_copy = smem_copy.get_thread_slice(ctid);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
+    copy(smem_copy, thr_copy.retile_S(convert_fragment<Element>(acc_dk)), thr_copy.partition_D(sK));
+    copy(smem_copy, thr_copy.retile_S(convert_fragment<Element>(acc_dv)), thr_copy.partition_D(sV));
+    cutlass::arch::fence_view_async_shared();  // the stores, visible to TMA
+    sync_consumers<Traits::kConsumerThreads>();
+    if (ctid == 0) {
+        auto store = [&](auto const& tma, auto const& s) {
+            Tensor m = tma.get_tma_tensor(make_shape(params.sk, params.d, params.hk, params.b));
+            Tensor g = local_tile(m(_, _, blk.head, seq.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                  make_coord(blk.block, _0{}));
+            auto slice = tma.get_slice(_0{});
+            copy(tma, slice.partition_S(s), slice.partition_D(g));
+        };
+        store(args.tma_dk, sK);
+        store(args.tma_dv, sV);
+        tma_store_arrive();
+        tma_store_wait<0>();  // shared memory stays until the stores have read it
+    }
 }
 
 template <class Traits>
@@ -85,6 +124,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     if (has_work) { consume_bwd<Traits>(params, shared, work, ctid, acc_dk, acc_dv); }
 
     // A key block that no query sees stores zeros.
+    if constexpr (Traits::kTmaKeyGradients) {
+        if (params.cu_seqlens_k == nullptr && params.seqused_k == nullptr) {
+            store_key_gradients_tma<Traits>(args, shared, acc_dk, acc_dv, seq, blk, ctid);
+            return;
+        }
+    }
     store_key_gradient<Traits>(acc_dk, params.softmax_scale, params, seq, blk, params.dk, params.dk_batch_stride,
                                params.dk_row_stride, params.dk_head_stride, ctid);
     store_key_gradient<Traits>(acc_dv, 1.f, params, seq, blk, params.dv, params.dv_batch_stride, params.dv_row_stride,

@@ -44,6 +44,20 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
     auto tma_rows = [&](auto const& g, auto smem_layout, auto tile) {
         return make_tma_copy(SM90_TMA_LOAD{}, g, smem_layout, tile, _1{});
     };
+    // dK / dV: (sk, d, hk, entries), stored by key block; left unset (no host encoding) where the kernel stores them
+    // from registers.
+    auto tma_store_rows = [&](void* ptr, int64_t row_stride, int64_t head_stride, int64_t batch_stride,
+                              auto smem_layout) {
+        Tensor g = make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)),
+                               make_shape(params.sk, params.d, params.hk, entries),
+                               make_stride(row_stride, _1{}, head_stride, batch_stride));
+        auto tile = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+        if constexpr (Traits::kTmaKeyGradients) {
+            return make_tma_copy(SM90_TMA_STORE{}, g, smem_layout, tile, _1{});
+        } else {
+            return decltype(make_tma_copy(SM90_TMA_STORE{}, g, smem_layout, tile, _1{})){};
+        }
+    };
     BwdKernelParams<Traits> args{
         params,
         tma_rows(gmem(params.q, params.sq, params.h, params.q_row_stride, params.q_head_stride, params.q_batch_stride),
@@ -54,7 +68,11 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
         tma_rows(gmem(params.k, params.sk, params.hk, params.k_row_stride, params.k_head_stride, params.k_batch_stride),
                  typename Traits::SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}),
         tma_rows(gmem(params.v, params.sk, params.hk, params.v_row_stride, params.v_head_stride, params.v_batch_stride),
-                 typename Traits::SmemLayoutV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{})};
+                 typename Traits::SmemLayoutV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}),
+        tma_store_rows(params.dk, params.dk_row_stride, params.dk_head_stride, params.dk_batch_stride,
+                       typename Traits::SmemLayoutK{}),
+        tma_store_rows(params.dv, params.dv_row_stride, params.dv_head_stride, params.dv_batch_stride,
+                       typename Traits::SmemLayoutV{})};
 
     constexpr int kSmem = Traits::kSmemBytes;
     if (cudaError_t err = allow_smem<&bwd_kernel<Traits>>(kSmem, hints.device); err != cudaSuccess) { return err; }

@@ -41,6 +41,8 @@ struct BwdKernelParams {
     typename Traits::TmaQ tma_do;
     typename Traits::TmaK tma_k;
     typename Traits::TmaV tma_v;
+    typename Traits::TmadK tma_dk;
+    typename Traits::TmadV tma_dv;
 };
 
 // The CTA's work: key block blk.block of kv head blk.head in sequence blk.batch, and the query blocks m_range that see

@@ -1,7 +1,8 @@
 // SM90-tier epilogues. Forward: the normalised output and its lse. Batched calls stage each consumer warpgroup's 64
 // rows in shared memory (stmatrix) and store them with one TMA, which clips the rows past sq and the columns past d;
 // a varlen or seqused call, whose rows past the sequence belong to another, stores from registers instead. Backward:
-// dK, dV and the converted dQ, from registers.
+// the register stores of dK and dV (varlen and seqused calls; bwd_kernel.h stages the others for TMA) and of the
+// converted dQ.
 #pragma once
 
 #include <cute/tensor.hpp>
