@@ -3,9 +3,10 @@ csrc/build_config.py, csrc/compile_check.py), the Python routing (_dispatch.py) 
 dim, an arch or a tier rule is written here and nowhere else. No torch import, so the build loads this file on its
 own, by path.
 
-A tier is one architecture's family of kernels (one folder of csrc/); a kind is what a kernel computes (fwd, bwd; later
-split-KV partials, combine, append-KV), each kind with its own params type. A kernel is keyed by
-(tier, kind, kernel head dim, dtype in, dtype out): the only properties that change its machine code's shape.
+A tier is one architecture's family of kernels (one folder of csrc/); a kind is what a kernel computes (fwd, bwd,
+combine of split-KV partials; later split-KV partials, append-KV), each kind with its own params type. A kernel is
+keyed by (tier, kind, kernel head dim, dtype in, dtype out): the only properties that change its machine code's
+shape.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ class Tier:
 
 TIERS = {
     "sm80": Tier("sm80", 80, (80, 86, 87, 89, 90, 120, 121), ((8, 0), (99, 99)),
-                 {"fwd": Kind("FwdParams", "sm80/fwd_launch.h"), "bwd": Kind("BwdParams", "sm80/bwd_launch.h")},
+                 {"fwd": Kind("FwdParams", "sm80/fwd_launch.h"), "bwd": Kind("BwdParams", "sm80/bwd_launch.h"),
+                  "combine": Kind("CombineParams", "sm80/combine_launch.h")},
                  ("sm80",)),
     # Its d 256 key blocks of 80 columns need CuTe's wgmma shapes with N not a power of two.
     "sm90": Tier("sm90", 90, (90,), ((9, 0), (9, 0)),

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks, _paged
+from . import _catalog, _checks, _dispatch, _ops, _paged
 from .interface import _forward, _varlen_forward
 
 _NO_ALIBI = None
@@ -266,6 +266,45 @@ def _check_same_batch(batched_q: bool, batched_k: bool, cu_seqlens_q, cu_seqlens
                          f"{source_k} = {bk}")
 
 
+def _vector_aligned(t: torch.Tensor) -> bool:
+    """Whether the kernels' 16-byte accesses reach every row of t (the binding's vector_aligned)."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(stride * size % 16 == 0 for stride in t.stride()[:-1]))
+
+
+def _combine_kernel(out_partial, lse_partial, out, out_dtype, return_lse):
+    """flash_attn_combine's (out, lse) from the combine kernel, one launch, where it applies: CUDA, fp16/bf16 partials
+    combined in their own dtype (into `out` when it is one the kernel's 16-byte stores reach), fp32 lse, a head dim
+    that is a multiple of 8, an eager call. None elsewhere (and in a build without the kernel), for the PyTorch ops
+    to serve."""
+    d = out_partial.shape[-1]
+    dtype = out_partial.dtype
+    if not (out_partial.is_cuda and dtype in (torch.float16, torch.bfloat16) and out_dtype in (None, dtype)
+            and lse_partial.dtype == torch.float32 and d % 8 == 0 and d <= _catalog.MAX_HEAD_DIM
+            and (out is None or (type(out) is torch.Tensor and out.dtype == dtype and out.device == out_partial.device
+                                 and out.shape == out_partial.shape[1:] and _vector_aligned(out)))
+            and _ops._eager(out_partial, lse_partial, lse_partial)):
+        return None
+    try:
+        tier, kernel_dim = _dispatch.resolve(out_partial.device, "combine", d, out_partial.dtype, None)
+    except RuntimeError:
+        return None
+    packed = out_partial.dim() == 4  # (splits, total_q, nheads, head_dim): one batch entry
+    partial = out_partial.unsqueeze(1) if packed else out_partial
+    lse_in = lse_partial.unsqueeze(1) if packed else lse_partial
+    _, b, rows, h, _ = partial.shape
+    if out is None:
+        combined = partial.new_empty((b, rows, h, d))
+    else:
+        combined = out.unsqueeze(0) if packed else out
+    lse = torch.empty((b, h, rows), dtype=torch.float32, device=partial.device) if return_lse else None
+    _dispatch.load_extension().combine(partial, lse_in, combined, lse, kernel_dim, tier)
+    if packed:
+        combined, lse = combined[0], (lse[0] if return_lse else None)
+    return combined, (lse.transpose(-1, -2) if return_lse else None)
+
+
 def flash_attn_combine(
     out_partial: torch.Tensor,
     lse_partial: torch.Tensor,
@@ -282,9 +321,10 @@ def flash_attn_combine(
     split that saw no key. Returns (out, lse): out (batch, seqlen, nheads, head_dim) or (total_q, nheads, head_dim)
     in out_dtype (default out_partial's), written into `out` when given; lse fp32 (batch, seqlen, nheads) or
     (total_q, nheads) (a transposed view of (batch, nheads, seqlen) or (nheads, total_q) storage, as FA4's), None
-    without return_lse; rows whose splits all saw no key get out 0 and lse -inf. Computed in fp32 with PyTorch ops
-    (no kernel of its own yet); cu_seqlens, seqused and varlen_batch_idx, which steer FA4's kernel over the rows,
-    change no value here and are accepted as they are."""
+    without return_lse; rows whose splits all saw no key get out 0 and lse -inf. Computed in fp32: by one kernel
+    launch for fp16/bf16 partials on a GPU combined in their own dtype, else with PyTorch ops; cu_seqlens,
+    seqused and varlen_batch_idx, which steer FA4's kernel over the rows, change no value here and are accepted as
+    they are."""
     if not isinstance(out_partial, torch.Tensor) or out_partial.dim() not in (4, 5):
         raise ValueError("out_partial must be (num_splits, batch, seqlen, nheads, head_dim) or (num_splits, total_q, "
                          f"nheads, head_dim), got {getattr(out_partial, 'shape', type(out_partial).__name__)}")
@@ -292,6 +332,9 @@ def flash_attn_combine(
             or lse_partial.device != out_partial.device):
         raise ValueError(f"lse_partial must have shape {tuple(out_partial.shape[:-1])} (out_partial's without "
                          f"head_dim) on its device, got {getattr(lse_partial, 'shape', type(lse_partial).__name__)}")
+    fused = _combine_kernel(out_partial, lse_partial, out, out_dtype, return_lse)
+    if fused is not None:
+        return fused
     # As few elementwise passes as the math allows: a decode step's combine is a dozen tiny kernels.
     lse = lse_partial.float()
     top = lse.amax(dim=0).nan_to_num_(nan=float("nan"), neginf=0.0)  # no split saw a key: weights 0, not NaN

@@ -228,7 +228,10 @@ def flash_attn_with_kvcache(
     out = out.view(b, splits, rows, heads, d)
     lse = lse.view(heads, b, splits, rows)
     if splits > 1:
-        out, lse = cute.flash_attn_combine(out.transpose(0, 1), lse.permute(2, 1, 3, 0), out_dtype=q.dtype)
+        # One query row, packed: the combine writes (b, group, hk, d) straight into a (b, 1, h, d) result, which
+        # unpack_gqa then returns as a view, without the regrouping copy.
+        dest = q.new_empty(b, 1, h, d).view(b, hk, group, d).transpose(1, 2) if pack and sq == 1 else None
+        out, lse = cute.flash_attn_combine(out.transpose(0, 1), lse.permute(2, 1, 3, 0), out=dest, out_dtype=q.dtype)
         lse = lse.transpose(1, 2)  # (b, heads, rows)
     else:
         out, lse = out[:, 0], lse[:, :, 0].transpose(0, 1)  # (b, rows, heads, d), (b, heads, rows)

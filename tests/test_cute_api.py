@@ -11,7 +11,7 @@ import torch
 
 from cpu_helpers import CU_K, CU_Q, int32, leaves, make_qkv, make_varlen, rand, varlen_ref
 from flash_attention import cute, flash_attn_func, flash_attn_varlen_func
-from helpers import fp16
+from helpers import fp16, require_kernel
 from reference import attention_ref
 
 
@@ -297,6 +297,41 @@ def test_combine_splits_without_keys():
     assert torch.isclose(lse[0, 0, 0], torch.logsumexp(torch.tensor([-1.0, 0.5]), 0)) and lse[0, 1, 0] == -math.inf
     _, none = cute.flash_attn_combine(out_partial, lse_partial, return_lse=False)
     assert none is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 72, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, fp16], ids=["bf16", "fp16"])
+def test_combine_kernel_cuda(d, dtype):
+    """The combine kernel (16-bit partials on a GPU) against the PyTorch ops (asked for fp32 output, which the kernel
+    does not serve): strided partials as the decode path passes them, empty splits, a row with none, a NaN split, and
+    the packed (splits, total_q, nheads, head_dim) form."""
+    require_kernel(d, dtype, "combine")
+    splits, b, sq, h = 5, 3, 7, 4
+    out_partial = torch.randn(b, splits, sq, h, d, dtype=dtype, device="cuda").transpose(0, 1)
+    lse_partial = torch.randn(splits, b, sq, h, device="cuda") * 3
+    lse_partial[1, 0] = -math.inf
+    lse_partial[:, 1, 2] = -math.inf  # a row whose splits all saw no key
+    lse_partial[3, 2, 5, 1] = math.nan
+    out, lse = cute.flash_attn_combine(out_partial, lse_partial)
+    ref_out, ref_lse = cute.flash_attn_combine(out_partial, lse_partial, out_dtype=torch.float32)
+    assert out.dtype == dtype and out.shape == (b, sq, h, d) and lse.shape == (b, sq, h)
+    nan_row = torch.zeros(b, sq, h, dtype=torch.bool, device="cuda")
+    nan_row[2, 5, 1] = True
+    assert out[nan_row].isnan().all() and lse[nan_row].isnan().all() and not out[~nan_row].isnan().any()
+    assert torch.equal(out[1, 2], torch.zeros_like(out[1, 2])) and lse[1, 2].isneginf().all()
+    rounding = torch.finfo(dtype).eps * ref_out[~nan_row].abs().max()
+    assert (out[~nan_row].float() - ref_out[~nan_row]).abs().max() <= rounding
+    finite = ~nan_row & lse.isfinite()
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
+    # Into a given strided out (as the decode path passes its GQA-packed result).
+    dest = torch.empty(b, h, sq, d, dtype=dtype, device="cuda").transpose(1, 2)
+    written, _ = cute.flash_attn_combine(out_partial, lse_partial, out=dest)
+    assert written is dest
+    torch.testing.assert_close(dest, out, rtol=0, atol=0, equal_nan=True)
+    packed, packed_lse = cute.flash_attn_combine(out_partial.flatten(1, 2), lse_partial.flatten(1, 2))
+    torch.testing.assert_close(packed, out.flatten(0, 1), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(packed_lse, lse.flatten(0, 1), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("bad", ["rank", "lse-shape"])

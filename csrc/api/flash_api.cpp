@@ -1,5 +1,6 @@
-// PyTorch binding: turns validated tensors into FwdParams / BwdParams, and runs the registered kernel of the key the
-// caller resolved (flash_attention/_dispatch.py), with the workspace its descriptor asks for. It holds no tier facts.
+// PyTorch binding: turns validated tensors into FwdParams / BwdParams / CombineParams, and runs the registered kernel
+// of the key the caller resolved (flash_attention/_dispatch.py), with the workspace its descriptor asks for. It holds
+// no tier facts.
 // The Python layer (flash_attention/_checks.py) gives the user-facing errors; the checks here guard the kernels'
 // memory accesses, since the ops can be called directly. Batched tensors are (b, s, heads, d); with cu_seqlens they
 // are varlen, packed (total, heads, d), with lse (h, total_q).
@@ -54,19 +55,22 @@ void check_operand(at::Tensor const& t, char const* name, at::Tensor const& like
     TORCH_CHECK(t.dim() == rank, "flash_attention: ", name, " must be ", rank, "-D");
 }
 
-// The kernels load 16-byte vectors: the last dimension contiguous, every other stride (also of a dimension of size
-// 1: TMA descriptors take every stride) a multiple of 16 bytes and the base pointer 16-byte aligned. Anything else is
-// copied, as autograd's broadcast gradient of out.sum() (stride 0 everywhere) must be; clone rather than
-// .contiguous(), which keeps a misaligned view that torch already considers contiguous. A view broadcast along a
-// dimension (stride 0, size above 1) is copied too: the SM90 tier's TMA descriptors are not built for zero strides.
-at::Tensor kernel_operand(at::Tensor const& t) {
+// The kernels access 16-byte vectors: the last dimension contiguous, every other stride (also of a dimension of size
+// 1: TMA descriptors take every stride) a multiple of 16 bytes and the base pointer 16-byte aligned.
+bool vector_aligned(at::Tensor const& t) {
     int64_t bytes = reinterpret_cast<uintptr_t>(t.data_ptr());
+    for (int i = 0; i < t.dim() - 1; ++i) { bytes |= t.stride(i) * int64_t(t.element_size()); }
+    return t.stride(-1) == 1 && bytes % 16 == 0;
+}
+
+// An operand the kernels read: anything not vector_aligned is copied, as autograd's broadcast gradient of out.sum()
+// (stride 0 everywhere) must be; clone rather than .contiguous(), which keeps a misaligned view that torch already
+// considers contiguous. A view broadcast along a dimension (stride 0, size above 1) is copied too: the SM90 tier's
+// TMA descriptors are not built for zero strides.
+at::Tensor kernel_operand(at::Tensor const& t) {
     bool broadcast = false;
-    for (int i = 0; i < t.dim() - 1; ++i) {
-        bytes |= t.stride(i) * int64_t(t.element_size());
-        broadcast |= t.stride(i) == 0 && t.size(i) > 1;
-    }
-    if (t.stride(-1) != 1 || bytes % 16 != 0 || broadcast) { return t.clone(at::MemoryFormat::Contiguous); }
+    for (int i = 0; i < t.dim() - 1; ++i) { broadcast |= t.stride(i) == 0 && t.size(i) > 1; }
+    if (!vector_aligned(t) || broadcast) { return t.clone(at::MemoryFormat::Contiguous); }
     return t;
 }
 
@@ -282,6 +286,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     return {dq, dk, dv};
 }
 
+// out (b, rows, h, d) and, when given, lse (b, h, rows) of split-KV partials: out_partial (splits, b, rows, h, d) in
+// out's dtype, lse_partial (splits, b, rows, h) fp32; any strides (a partial the kernel cannot load is copied; out,
+// which it writes, must take its 16-byte stores).
+void combine(at::Tensor const& out_partial_in, at::Tensor const& lse_partial, at::Tensor const& out,
+             std::optional<at::Tensor> const& lse, int64_t kernel_head_dim, int64_t tier) {
+    c10::cuda::CUDAGuard guard(out_partial_in.device());
+    TORCH_CHECK(out_partial_in.is_cuda() && out_partial_in.dim() == 5,
+                "flash_attention: out_partial must be a 5-D CUDA tensor");
+    at::Tensor const op = kernel_operand(out_partial_in);
+    TORCH_CHECK(lse_partial.device() == op.device() && lse_partial.scalar_type() == at::kFloat &&
+                    lse_partial.dim() == 4 && lse_partial.sizes() == op.sizes().slice(0, 4),
+                "flash_attention: lse_partial must be fp32 (splits, b, rows, h) on out_partial's device");
+    check_operand(out, "out", op, 4);
+    TORCH_CHECK(out.sizes() == op.sizes().slice(1) && vector_aligned(out),
+                "flash_attention: out must be (b, rows, h, d) with its last dimension contiguous and 16-byte aligned "
+                "rows");
+    flash::CombineParams p{};
+    p.splits = int(op.size(0)), p.b = int(op.size(1)), p.rows = int(op.size(2)), p.h = int(op.size(3));
+    p.d = int(op.size(4));
+    if (lse.has_value()) {
+        TORCH_CHECK(lse->device() == op.device() && lse->scalar_type() == at::kFloat && lse->is_contiguous() &&
+                        lse->dim() == 3 && lse->size(0) == p.b && lse->size(1) == p.h && lse->size(2) == p.rows,
+                    "flash_attention: lse must be contiguous fp32 (b, h, rows)");
+        p.lse = lse->data_ptr<float>();
+    }
+    p.out_partial = op.data_ptr();
+    p.lse_partial = lse_partial.data_ptr<float>();
+    p.out = out.data_ptr();
+    p.op_split_stride = op.stride(0), p.op_batch_stride = op.stride(1), p.op_row_stride = op.stride(2);
+    p.op_head_stride = op.stride(3);
+    p.lp_split_stride = lse_partial.stride(0), p.lp_batch_stride = lse_partial.stride(1);
+    p.lp_row_stride = lse_partial.stride(2), p.lp_head_stride = lse_partial.stride(3);
+    p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
+    flash::LaunchHints const hints{op.device().index(), 0, 0, 0, p.rows, 0};
+    run("combine", tier, kernel_head_dim, op, p, hints);
+}
+
 // Eager forward with its backward as a C++ autograd node, so that an eager training step pays no Python in the
 // backward (the Python autograd.Function's node and argument handling cost more than the binding on small shapes).
 // The caller resolved both kernels, so the backward needs no routing; torch.compile traces the custom ops instead.
@@ -360,6 +401,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("attention_autograd", &attention_autograd,
           "[out, lse] of fwd's arguments up to deterministic, then the forward's and the backward's kernel head dim "
           "and tier; differentiable, its backward a C++ autograd node running bwd");
+    m.def("combine", &combine,
+          "split-KV combine into out (and lse when given): out_partial, lse_partial, out, lse, kernel_head_dim, tier");
     m.def("available_kernels", &available_kernels,
           "(tier, kind, kernel head dim, dtype in, dtype out) of every compiled kernel");
 }

@@ -82,4 +82,19 @@ struct BwdParams : AttnParams {
 
 constexpr int kBwdRowAlign = 128;
 
+// flash_attn_combine: per (batch, row, head), out = sum_s exp(lse_s - lse) out_s and lse = log sum_s exp(lse_s) over
+// the splits s of the keys. out_partial (splits, batch, rows, heads, d) and lse_partial (splits, batch, rows, heads):
+// any strides in elements, d contiguous; out (batch, rows, heads, d); lse, when set, (batch, heads, rows) contiguous.
+// A row whose splits all saw no key (lse -inf) gets out 0 and lse -inf.
+struct CombineParams {
+    void const* __restrict__ out_partial;
+    float const* __restrict__ lse_partial;
+    void* __restrict__ out;
+    float* __restrict__ lse;
+    int64_t op_split_stride, op_batch_stride, op_row_stride, op_head_stride;
+    int64_t lp_split_stride, lp_batch_stride, lp_row_stride, lp_head_stride;
+    int64_t o_batch_stride, o_row_stride, o_head_stride;
+    int splits, b, rows, h, d;
+};
+
 }  // namespace flash

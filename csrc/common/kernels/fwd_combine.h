@@ -1,0 +1,64 @@
+// Combine of split-KV partials (CombineParams), for every tier: each row (batch, row, head) is read by kHeadDim / 8
+// lanes of a warp, 16 bytes each per split, so that a warp takes 32 / (kHeadDim / 8) rows. The weights exp(lse_s - max)
+// are computed by every lane of the row from the split's lse (one broadcast load), the output accumulated in fp32.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+#include <cmath>
+
+#include "../params.h"
+
+namespace flash {
+
+constexpr int kCombineWarps = 4;
+
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_constant__ CombineParams const p) {
+    constexpr int kLanesPerRow = kHeadDim / 8;
+    constexpr int kRowsPerWarp = 32 / kLanesPerRow;
+    static_assert(kHeadDim % 8 == 0 && kLanesPerRow <= 32);
+    int const lane = threadIdx.x % 32;
+    if (lane >= kRowsPerWarp * kLanesPerRow) { return; }
+    int64_t const id = (int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / 32) * kRowsPerWarp + lane / kLanesPerRow;
+    if (id >= int64_t(p.b) * p.rows * p.h) { return; }
+    int const head = int(id % p.h);
+    int const row = int(id / p.h % p.rows);
+    int const batch = int(id / p.h / p.rows);
+    int const col = lane % kLanesPerRow * 8;
+
+    float const* lse = p.lse_partial + batch * p.lp_batch_stride + row * p.lp_row_stride + head * p.lp_head_stride;
+    float top = -INFINITY;
+    for (int s = 0; s < p.splits; ++s) { top = fmaxf(top, lse[s * p.lp_split_stride]); }
+    float const base = top == -INFINITY ? 0.f : top;  // no split saw a key: weights 0, not NaN
+
+    using Vec = cutlass::Array<Element, 8>;
+    cutlass::NumericArrayConverter<float, Element, 8> to_float;
+    auto const* partial = static_cast<Element const*>(p.out_partial) + batch * p.op_batch_stride +
+                          row * p.op_row_stride + head * p.op_head_stride + col;
+    bool const active = col < p.d;
+    cutlass::Array<float, 8> acc;
+    acc.fill(0.f);
+    float sum = 0.f;
+    for (int s = 0; s < p.splits; ++s) {
+        float const w = __expf(lse[s * p.lp_split_stride] - base);  // a NaN lse makes the row NaN
+        sum += w;
+        if (active) {
+            auto const v = to_float(*reinterpret_cast<Vec const*>(partial + s * p.op_split_stride));
+            CUTE_UNROLL
+            for (int i = 0; i < 8; ++i) { acc[i] += w * v[i]; }
+        }
+    }
+    float const inv = sum > 0.f ? 1.f / sum : 0.f;
+    if (active) {
+        CUTE_UNROLL
+        for (int i = 0; i < 8; ++i) { acc[i] *= inv; }
+        cutlass::NumericArrayConverter<Element, float, 8> to_element;
+        *reinterpret_cast<Vec*>(static_cast<Element*>(p.out) + batch * p.o_batch_stride + row * p.o_row_stride +
+                                head * p.o_head_stride + col) = to_element(acc);
+    }
+    if (p.lse != nullptr && col == 0) { p.lse[(int64_t(batch) * p.h + head) * p.rows + row] = logf(sum) + base; }
+}
+
+}  // namespace flash

@@ -1,0 +1,34 @@
+// Launch of the split-KV combine (common/kernels/fwd_combine.h): portable code, so the SM80 tier registers it and the
+// tiers above take it through their fallback.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/kernel_registry.h"
+#include "../common/kernels/fwd_combine.h"
+#include "../common/params.h"
+
+namespace flash::sm80 {
+
+template <int kHeadDim, typename Element>
+cudaError_t run_combine(CombineParams const& params, LaunchHints const&, void*, cudaStream_t stream) {
+    constexpr int kRowsPerBlock = kCombineWarps * (32 / (kHeadDim / 8));
+    int64_t const blocks = (int64_t(params.b) * params.rows * params.h + kRowsPerBlock - 1) / kRowsPerBlock;
+    if (blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
+    if (blocks == 0) { return cudaSuccess; }
+    fwd_combine_kernel<Element, kHeadDim><<<unsigned(blocks), kCombineWarps * 32, 0, stream>>>(params);
+    return cudaGetLastError();
+}
+
+template <int kHeadDim, typename Element, typename ElementOut>
+KernelDescriptor<CombineParams> combine_descriptor() {
+    static_assert(std::is_same_v<Element, ElementOut>, "the combine writes the partials' dtype");
+    return {&unsupported_head_dim<kHeadDim, CombineParams>, &no_workspace<CombineParams>,
+            &run_combine<kHeadDim, Element>};
+}
+
+}  // namespace flash::sm80
