@@ -161,6 +161,62 @@ fwd.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, 
                       setup_context=_setup_context)
 
 
+# The tier whose forward writes split-KV partials (and whose combine kernel merges them).
+SPLIT_TIER = "sm80"
+
+
+def split_kernels_available(q: torch.Tensor, tier: Optional[str]) -> bool:
+    """Whether fwd_split can serve q: a CUDA tensor, no tier override other than SPLIT_TIER, and the build holds that
+    tier's forward and combine kernels for q's head dim and dtype."""
+    if not q.is_cuda or _dispatch.requested_tier(tier) not in (None, SPLIT_TIER):
+        return False
+    try:
+        fwd_key = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, SPLIT_TIER)
+        combine_key = _dispatch.resolve(q.device, "combine", q.shape[-1], q.dtype, SPLIT_TIER)
+    except RuntimeError:
+        return False
+    return fwd_key == combine_key
+
+
+@torch.library.custom_op("flash_attention::fwd_split", mutates_args=())
+def fwd_split(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqused_k: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor],
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV forward for decoding, not differentiable: q (b, sq, h, d), k/v (b, sk, hk, d) validated, head dim a
+    multiple of 8, of which sequence i uses the first seqused_k[i] keys; each query tile's keys are cut into
+    num_splits chunks attended to by CTAs of their own (SM80-tier kernel, fp32 partials), merged by the combine
+    kernel. With block_table (int32 (b, max_blocks)), k/v are page pools (num_pages, page_size, hk, d) read in place:
+    key j of sequence i is row j % page_size of page block_table[i, j // page_size]. Returns (out, lse (b, h, sq))."""
+    return split_forward_impl(q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, softcap,
+                              num_splits)
+
+
+def split_forward_impl(q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, softcap,
+                       num_splits):
+    ext = _dispatch.load_extension()
+    tier_id, kernel_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, SPLIT_TIER)
+    return ext.fwd_split(q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, softcap,
+                         num_splits, kernel_dim, tier_id)
+
+
+def split_attention(q, k, v, *args) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fwd_split(q, k, v, *args): through the op when traced, else straight to the binding (a decode step cannot
+    afford the dispatcher's overhead around a Python op)."""
+    return split_forward_impl(q, k, v, *args) if _eager(q, k, v) else fwd_split(q, k, v, *args)
+
+
+fwd_split.register_fake(_fwd_fake)  # the same outputs as the forward's
+
+
 class _EagerAttention(torch.autograd.Function):
     """The ops' autograd formula without the op, for eager calls with nothing to compute (no kernel runs, so no
     binding is needed) or without a backward kernel (see _differentiable). The arguments after q, k, v travel as one

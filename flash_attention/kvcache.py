@@ -8,10 +8,11 @@ a CUDA graph and traced by torch.compile.
 
 Where it is exact (one query row, or no mask, and no window or ALiBi), GQA packing and split-KV happen here: the query
 heads of a kv head become rows of one sequence, so each K/V block is read once per kv head; and each sequence's keys
-are cut into num_splits chunks (0: enough to fill the GPU) attended to as sequences of their own, whose outputs
-flash_attn_combine merges by their lse (the partial outputs are rounded to the input dtype before the merge). Not yet
-native: paged K/V loads inside the kernels (the gather costs a copy of the used pages), the split partials and their
-combine as kernels of their own (fp32 partials, one launch), and a fused append/rotary.
+are cut into num_splits chunks (0: enough to fill the GPU). Without cache_leftpad the kernel splits them itself
+(_ops.split_attention: SM80-tier CTAs per chunk write fp32 partials, which the combine kernel merges) and reads a
+paged cache in place; with it, the chunks are attended to as sequences of their own in the varlen call, whose outputs
+flash_attn_combine merges by their lse (rounded to the input dtype before the merge). Not yet native: paged K/V loads
+for the other calls (the gather costs a copy of the used pages), and a fused append/rotary.
 """
 
 import functools
@@ -19,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks, _paged, cute, interface
+from . import _checks, _ops, _paged, cute, interface
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -196,9 +197,7 @@ def flash_attn_with_kvcache(
         positions = (filled[:, None] + steps).clamp(max=rotary_cos.shape[0] - 1)
         q = apply_rotary(q, rotary_cos, rotary_sin, positions, rotary_interleaved)
 
-    keys = _cache_rows(k_cache, block_table, cache_batch_idx, b)
-    values = _cache_rows(v_cache, block_table, cache_batch_idx, b)
-    hk = keys.shape[2]
+    hk = k_cache.shape[2]
     group = h // hk
     # Where every query row sees the same keys (one query row, or no mask) and no per-head or per-position bias
     # applies, the keys can be regrouped freely:
@@ -216,6 +215,25 @@ def flash_attn_with_kvcache(
     if exact:
         causal = False  # one query row sees every used key under a bottom-right causal mask
     splits = _splits(num_splits, b * heads * -(-rows // 64), cache_len, q.device) if exact else 1
+    paged = block_table is not None and cache_batch_idx is None
+    if exact and (splits > 1 or paged) and cache_leftpad is None and d % 8 == 0 \
+            and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier):
+        # Native split-KV: the kernel cuts each sequence's used keys itself and writes fp32 partials, which the
+        # combine kernel merges; no query copies or split metadata. A paged cache is read in place, not gathered.
+        scale, _, _, cap, _ = interface._scalar_options(0.0, softmax_scale, False, (-1, -1), softcap, False)
+        scale = d ** -0.5 if scale is None else scale
+        used = (cache_seqlens + s_new if s_new else cache_seqlens).contiguous()
+        if paged:
+            keys, values, table = k_cache, v_cache, block_table.contiguous()
+        else:
+            keys, values, table = (_cache_rows(k_cache, None, cache_batch_idx, b),
+                                   _cache_rows(v_cache, None, cache_batch_idx, b), None)
+        out, lse = _ops.split_attention(q, keys, values, used, table, scale, -1, -1, cap, splits)
+        if pack:
+            out, lse = interface.unpack_gqa(out, lse, sq)
+        return (out, lse) if return_softmax_lse else out
+    keys = _cache_rows(k_cache, block_table, cache_batch_idx, b)
+    values = _cache_rows(v_cache, block_table, cache_batch_idx, b)
     chunk = -(-cache_len // splits)
     queries = q.reshape(b, 1, rows, heads, d).expand(b, splits, rows, heads, d)  # each chunk's copy of the rows
     cu_seqlens_q, cu_seqlens_k, seqused_k = _split_sequences(cache_seqlens, cache_leftpad, s_new, b, splits, chunk,

@@ -348,3 +348,59 @@ def test_split_kv_cuda(case, num_splits):
     low_err = (low_out.float() - ref_out.float()).abs().max()
     assert torch.isfinite(out).all() and err <= 2 * low_err + 1e-4
     assert torch.allclose(lse.cpu(), ref_lse, atol=1e-3, rtol=0)
+
+
+def pages_of(k, v, page_size):
+    """k, v (b, sk, hk, d) as pools of pages in one shuffled order, with a spare page of noise, and the int32 block
+    table that finds each sequence's rows in them (its last page partly filled)."""
+    b, sk, hk, d = k.shape
+    per_seq = -(-sk // page_size)
+    order = torch.randperm(b * per_seq + 1, device=k.device)[:b * per_seq]
+    pools = []
+    for cache in (k, v):
+        padded = cache.new_zeros(b, per_seq * page_size, hk, d)
+        padded[:, :sk] = cache
+        pool = torch.randn(b * per_seq + 1, page_size, hk, d, dtype=cache.dtype, device=cache.device)
+        pool[order] = padded.view(b * per_seq, page_size, hk, d)
+        pools.append(pool)
+    return pools[0], pools[1], order.view(b, per_seq).to(torch.int32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("splits", [1, 2, 5, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page_size", [None, 1, 3, 16, 256])
+def test_native_split_cuda(d, splits, causal, page_size):
+    """The native split-KV forward (SM80-tier fp32 partials, merged by the combine kernel) per sequence against the
+    fp32 reference over its used keys: GQA, an empty sequence (out 0, lse -inf), one key, partial key blocks, more
+    splits than key blocks, and a causal mask over several query rows (each chunk is masked as the whole call is).
+    Read from pages (any size, shuffled) the results are the same bits as from the contiguous cache."""
+    from flash_attention import _ops
+    require_kernel(d, bf16)
+    require_kernel(d, bf16, "combine")
+    b, sq, h, hk, sk = 4, 3, 8, 2, 1023
+    q = torch.randn(b, sq, h, d, dtype=bf16, device="cuda")
+    k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
+    if not _ops.split_kernels_available(q, None):
+        pytest.skip("no SM80-tier forward and combine kernels for this head dim")
+    used = torch.tensor([0, 1, 517, 1023], dtype=torch.int32, device="cuda")
+    args = (d ** -0.5, -1, 0 if causal else -1, 0.0, splits)
+    out, lse = _ops.split_attention(q, k, v, used, None, *args)
+    if page_size is not None:
+        k_pool, v_pool, table = pages_of(k, v, page_size)
+        paged_out, paged_lse = _ops.split_attention(q, k_pool, v_pool, used, table, *args)
+        assert torch.equal(paged_out, out) and torch.equal(paged_lse, lse)
+        return
+    assert out.shape == q.shape and lse.shape == (b, h, sq) and not out.isnan().any()
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and lse[0].isneginf().all()
+    for i in range(1, b):
+        n = int(used[i])
+        ref_out, ref_lse = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal)
+        low_out, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal, upcast=False)
+        err = (out[i:i + 1].float() - ref_out.float()).abs().max()
+        low_err = (low_out.float() - ref_out.float()).abs().max()
+        assert err <= 2 * low_err + 1e-4, (i, err, low_err)
+        seen = ref_lse.isfinite()
+        assert torch.equal(lse[i:i + 1].isfinite(), seen)
+        assert torch.allclose(lse[i:i + 1][seen], ref_lse[seen].float(), atol=1e-3, rtol=0)

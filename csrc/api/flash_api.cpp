@@ -113,9 +113,11 @@ int const* seq_tensor(std::optional<at::Tensor> const& t, char const* name, int6
 }
 
 // The fields both directions share: q, k, v, sequences, sizes, scales, window, ALiBi.
+// paged_rows > 0: k and v are page pools (num_pages, page_size, hk, d) of a batched call whose sequences have
+// paged_rows rows of capacity (the caller sets the page fields).
 void set_attn_params(flash::AttnParams& p, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                      double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
-                     std::optional<at::Tensor> const& alibi_slopes, SeqArgs const& seqs) {
+                     std::optional<at::Tensor> const& alibi_slopes, SeqArgs const& seqs, int64_t paged_rows = 0) {
     bool const varlen = seqs.varlen();
     TORCH_CHECK(varlen == seqs.cu_seqlens_k.has_value(),
                 "flash_attention: cu_seqlens_q and cu_seqlens_k must be given together");
@@ -125,8 +127,8 @@ void set_attn_params(flash::AttnParams& p, at::Tensor const& q, at::Tensor const
     int const r = varlen ? 0 : 1;  // the row dimension
     int64_t const b = varlen ? seqs.cu_seqlens_q->size(0) - 1 : q.size(0);
     int64_t const sq = q.size(r), h = q.size(r + 1), d = q.size(r + 2);
-    int64_t const sk = k.size(r), hk = k.size(r + 1);
-    TORCH_CHECK(k.sizes() == v.sizes() && k.size(r + 2) == d && (varlen || k.size(0) == b),
+    int64_t const sk = paged_rows > 0 ? paged_rows : k.size(r), hk = k.size(r + 1);
+    TORCH_CHECK(k.sizes() == v.sizes() && k.size(r + 2) == d && (varlen || paged_rows > 0 || k.size(0) == b),
                 "flash_attention: k/v shape mismatch");
     TORCH_CHECK(hk > 0 && h % hk == 0, "flash_attention: h must be a multiple of hk");
     TORCH_CHECK(b > 0 && sq > 0 && sk > 0, "flash_attention: empty sequences are handled in Python");
@@ -287,8 +289,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
 }
 
 // out (b, rows, h, d) and, when given, lse (b, h, rows) of split-KV partials: out_partial (splits, b, rows, h, d) in
-// out's dtype, lse_partial (splits, b, rows, h) fp32; any strides (a partial the kernel cannot load is copied; out,
-// which it writes, must take its 16-byte stores).
+// out's dtype or fp32, lse_partial (splits, b, rows, h) fp32; any strides (a partial the kernel cannot load is
+// copied; out, which it writes, must take its 16-byte stores).
 void combine(at::Tensor const& out_partial_in, at::Tensor const& lse_partial, at::Tensor const& out,
              std::optional<at::Tensor> const& lse, int64_t kernel_head_dim, int64_t tier) {
     c10::cuda::CUDAGuard guard(out_partial_in.device());
@@ -298,13 +300,18 @@ void combine(at::Tensor const& out_partial_in, at::Tensor const& lse_partial, at
     TORCH_CHECK(lse_partial.device() == op.device() && lse_partial.scalar_type() == at::kFloat &&
                     lse_partial.dim() == 4 && lse_partial.sizes() == op.sizes().slice(0, 4),
                 "flash_attention: lse_partial must be fp32 (splits, b, rows, h) on out_partial's device");
-    check_operand(out, "out", op, 4);
+    TORCH_CHECK(out.is_cuda() && out.device() == op.device() && out.dim() == 4,
+                "flash_attention: out must be a 4-D tensor on out_partial's device");
+    bool const fp32_partials = op.scalar_type() == at::kFloat;
+    TORCH_CHECK(fp32_partials || op.scalar_type() == out.scalar_type(),
+                "flash_attention: out_partial must be fp32 or have out's dtype");
     TORCH_CHECK(out.sizes() == op.sizes().slice(1) && vector_aligned(out),
                 "flash_attention: out must be (b, rows, h, d) with its last dimension contiguous and 16-byte aligned "
                 "rows");
     flash::CombineParams p{};
     p.splits = int(op.size(0)), p.b = int(op.size(1)), p.rows = int(op.size(2)), p.h = int(op.size(3));
     p.d = int(op.size(4));
+    p.fp32_partials = fp32_partials;
     if (lse.has_value()) {
         TORCH_CHECK(lse->device() == op.device() && lse->scalar_type() == at::kFloat && lse->is_contiguous() &&
                         lse->dim() == 3 && lse->size(0) == p.b && lse->size(1) == p.h && lse->size(2) == p.rows,
@@ -320,7 +327,52 @@ void combine(at::Tensor const& out_partial_in, at::Tensor const& lse_partial, at
     p.lp_row_stride = lse_partial.stride(2), p.lp_head_stride = lse_partial.stride(3);
     p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
     flash::LaunchHints const hints{op.device().index(), 0, 0, 0, p.rows, 0};
-    run("combine", tier, kernel_head_dim, op, p, hints);
+    run("combine", tier, kernel_head_dim, out, p, hints);
+}
+
+// (out, lse (b, h, sq)) of a batched forward whose keys are split into num_splits chunks per query tile (split-KV,
+// for decoding: the chunks fill the GPU where b * h query tiles cannot): the SM80-tier forward writes fp32 partials,
+// the combine kernel merges them. With block_table, k and v are page pools (num_pages, page_size, hk, d), read in
+// place. Each chunk is masked as the whole call is, so any mask splits exactly; seqused_q
+// and ALiBi are not taken (flash_attn_with_kvcache, the caller, passes neither).
+std::tuple<at::Tensor, at::Tensor> fwd_split(
+    at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in, std::optional<at::Tensor> const& seqused_k,
+    std::optional<at::Tensor> const& block_table, double softmax_scale, int64_t window_left, int64_t window_right,
+    double softcap, int64_t num_splits, int64_t kernel_head_dim, int64_t tier) {
+    c10::cuda::CUDAGuard guard(q_in.device());
+    TORCH_CHECK(num_splits >= 1 && num_splits <= 256, "flash_attention: num_splits must be in [1, 256]");
+    std::optional<at::Tensor> const none;
+    SeqArgs const seqs{none, none, none, seqused_k, 0, 0};
+    at::Tensor const q = kernel_operand(q_in), k = kernel_operand(k_in), v = kernel_operand(v_in);
+    flash::FwdParams p{};
+    int64_t paged_rows = 0;
+    if (block_table.has_value()) {
+        auto const& t = *block_table;
+        TORCH_CHECK(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == 2 &&
+                        t.size(0) == q.size(0) && t.stride(1) == 1,
+                    "flash_attention: block_table must be int32 (b, max_blocks) on q's device, rows contiguous");
+        TORCH_CHECK(k.size(0) > 0, "flash_attention: the page pools must hold a page");
+        paged_rows = t.size(1) * k.size(1);
+        p.block_table = t.data_ptr<int>();
+        p.block_table_stride = t.stride(0);
+        p.page_size = int(k.size(1));
+        p.num_pages = int(k.size(0));
+    }
+    set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, none, seqs, paged_rows);
+    auto const fp32 = q.options().dtype(at::kFloat);
+    at::Tensor const o_partial = at::empty({num_splits, p.b, p.sq, p.h, p.d}, fp32);
+    at::Tensor const lse_partial = at::empty({num_splits, p.b, p.h, p.sq}, fp32);
+    p.num_splits = int(num_splits);
+    p.o_partial = o_partial.data_ptr<float>();
+    p.lse_partial = lse_partial.data_ptr<float>();
+    p.o_partial_split_stride = o_partial.stride(0);
+    p.lse_partial_split_stride = lse_partial.stride(0);
+    p.o_batch_stride = o_partial.stride(1), p.o_row_stride = o_partial.stride(2), p.o_head_stride = o_partial.stride(3);
+    run("fwd", tier, kernel_head_dim, q, p, launch_hints(p, q, seqs));
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    at::Tensor lse = at::empty({p.b, p.h, p.sq}, fp32);
+    combine(o_partial, lse_partial.transpose(2, 3), out, lse, kernel_head_dim, tier);
+    return {out, lse};
 }
 
 // Eager forward with its backward as a C++ autograd node, so that an eager training step pays no Python in the
@@ -401,6 +453,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("attention_autograd", &attention_autograd,
           "[out, lse] of fwd's arguments up to deterministic, then the forward's and the backward's kernel head dim "
           "and tier; differentiable, its backward a C++ autograd node running bwd");
+    m.def("fwd_split", &fwd_split,
+          "split-KV forward (out, lse): q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, "
+          "softcap, num_splits, kernel_head_dim, tier");
     m.def("combine", &combine,
           "split-KV combine into out (and lse when given): out_partial, lse_partial, out, lse, kernel_head_dim, tier");
     m.def("available_kernels", &available_kernels,

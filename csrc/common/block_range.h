@@ -13,6 +13,14 @@ struct Interval {
     __host__ __device__ bool empty() const { return hi <= lo; }
 };
 
+// Split-KV: chunk `split` of a block range cut into `splits` contiguous chunks of equal length (the last ones
+// shorter or empty).
+__host__ __device__ inline Interval split_chunk(Interval r, int split, int splits) {
+    int const per = (r.hi - r.lo + splits - 1) / splits;
+    int const lo = r.hi < r.lo + split * per ? r.hi : r.lo + split * per;
+    return {lo, r.hi < lo + per ? r.hi : lo + per};
+}
+
 // Query i sees key j iff i + off - left <= j <= i + off + right, off = sk - sq (bottom-right), 0 <= j < sk; a bound
 // of -1 is absent.
 struct AttnWindow {

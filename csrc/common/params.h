@@ -51,6 +51,23 @@ struct FwdParams : AttnParams {
     void* __restrict__ o;
     float* __restrict__ lse;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
+
+    // Split-KV (SM80-tier kernels): with o_partial set, num_splits (>= 1) CTAs (blockIdx.y) share each query tile's
+    // visible key blocks in contiguous chunks (split_chunk), and each writes, instead of o and lse, its output
+    // normalised by its own sum in fp32 to o_partial and its lse (-inf for an empty chunk) to lse_partial: split s at
+    // s * the split stride, then o's element strides and lse's layout.
+    int num_splits;
+    float* __restrict__ o_partial;
+    float* __restrict__ lse_partial;
+    int64_t o_partial_split_stride, lse_partial_split_stride;
+
+    // Paged K/V (SM80-tier kernels, batched calls; nullptr: none): k and v are pools of num_pages pages of page_size
+    // rows, k/v_batch_stride their page strides, and key j of sequence b lies in page block_table[b *
+    // block_table_stride + j / page_size], row j % page_size; sk is the table's capacity in rows. Page ids are
+    // clamped to the pool.
+    int const* __restrict__ block_table;
+    int64_t block_table_stride;
+    int page_size, num_pages;
 };
 
 struct BwdParams : AttnParams {
@@ -95,6 +112,7 @@ struct CombineParams {
     int64_t lp_split_stride, lp_batch_stride, lp_row_stride, lp_head_stride;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
     int splits, b, rows, h, d;
+    bool fp32_partials;  // out_partial in fp32 (a split forward's), else in out's dtype
 };
 
 }  // namespace flash

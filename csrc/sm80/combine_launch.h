@@ -20,7 +20,11 @@ cudaError_t run_combine(CombineParams const& params, LaunchHints const&, void*, 
     int64_t const blocks = (int64_t(params.b) * params.rows * params.h + kRowsPerBlock - 1) / kRowsPerBlock;
     if (blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
     if (blocks == 0) { return cudaSuccess; }
-    fwd_combine_kernel<Element, kHeadDim><<<unsigned(blocks), kCombineWarps * 32, 0, stream>>>(params);
+    if (params.fp32_partials) {
+        fwd_combine_kernel<float, Element, kHeadDim><<<unsigned(blocks), kCombineWarps * 32, 0, stream>>>(params);
+    } else {
+        fwd_combine_kernel<Element, Element, kHeadDim><<<unsigned(blocks), kCombineWarps * 32, 0, stream>>>(params);
+    }
     return cudaGetLastError();
 }
 

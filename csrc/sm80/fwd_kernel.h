@@ -29,7 +29,9 @@ namespace flash::sm80 {
 
 using namespace cute;
 
-template <class Traits>
+// kPaged: K and V come from a paged cache (params.block_table), row by row; a kernel of its own, since the row
+// addressing next to the dense loads made ptxas spill three times as much in the dense loop.
+template <class Traits, bool kPaged>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_constant__ FwdParams const params) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -58,7 +60,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     int const row0 = m_block * kBlockM;
 
     using Range = BlockRange<kBlockM, kBlockN>;
-    Interval const n_range = Range::n_blocks(window, m_block);
+    Interval n_range = Range::n_blocks(window, m_block);
+    if (params.num_splits > 1) { n_range = split_chunk(n_range, int(blockIdx.y), params.num_splits); }
     int const n_blocks = n_range.hi - n_range.lo;
     int const n_block_max = n_range.hi;
 
@@ -106,20 +109,37 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
         // Loads key block i (in visited order) of K or V into its stage. Only the first block visited (the last key
-        // block) can lack rows.
-        auto load_block = [&](auto const& tXgX, auto& tXsX, int i, auto check_rows) {
+        // block) can lack rows. A paged cache is read row by row from its pages.
+        auto load_block = [&](auto const& tXgX, auto& tXsX, int i, auto check_rows, auto is_v) {
             constexpr bool kCheckRows = decltype(check_rows)::value;
             int const n_block = n_block_max - 1 - i;
             int const stage = i % kStages;
-            load_tile<kCheckRows>(gmem_copy, tXgX(_, _, _, n_block), tXsX(_, _, _, stage), tKVcKV,
-                                  sk - n_block * kBlockN, d);
+            if constexpr (kPaged) {
+                constexpr bool kV = decltype(is_v)::value;
+                Element const* pool = static_cast<Element const*>(kV ? params.v : params.k) +
+                                      blk.head / params.h_per_hk * (kV ? params.v_head_stride : params.k_head_stride);
+                int64_t const page_stride = kV ? params.v_batch_stride : params.k_batch_stride;
+                int64_t const row_stride = kV ? params.v_row_stride : params.k_row_stride;
+                int const* table = params.block_table + blk.batch * params.block_table_stride;
+                auto row_ptr = [&](int row) -> Element const* {
+                    int const key = n_block * kBlockN + row;
+                    if (key >= sk) { return nullptr; }
+                    int const slot = key / params.page_size;
+                    int const page = min(max(table[slot], 0), params.num_pages - 1);
+                    return pool + page * page_stride + (key - slot * params.page_size) * row_stride;
+                };
+                load_rows(gmem_copy, tXgX(_, _, _, 0), tXsX(_, _, _, stage), tKVcKV, row_ptr, pool, d);
+            } else {
+                load_tile<kCheckRows>(gmem_copy, tXgX(_, _, _, n_block), tXsX(_, _, _, stage), tKVcKV,
+                                      sk - n_block * kBlockN, d);
+            }
         };
         // One commit group per key block; past the last block the group is empty, which keeps the wait counts
         // constant.
         auto load_kv = [&](int i, auto check_rows) {
             if (i < n_blocks) {
-                load_block(tKgK, tKsK, i, check_rows);
-                load_block(tVgV, tVsV, i, check_rows);
+                load_block(tKgK, tKsK, i, check_rows, cute::false_type{});
+                load_block(tVgV, tVsV, i, check_rows, cute::true_type{});
             }
             cp_async_fence();
         };
@@ -157,7 +177,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                     // with the prologue, so the loop never loads a partial block.
                     cp_async_wait<0>();
                     __syncthreads();
-                    if (i > 0) { load_block(tVgV, tVsV, i, cute::false_type{}); }
+                    if (i > 0) { load_block(tVgV, tVsV, i, cute::false_type{}, cute::true_type{}); }
                     cp_async_fence();
                 } else {
                     // This block's K and V were issued a whole block earlier: one barrier per block publishes them
@@ -171,7 +191,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                     // V(i) landed, and every warp is done with K(i): its buffer takes K(i + 1).
                     cp_async_wait<0>();
                     __syncthreads();
-                    if (i + 1 < n_blocks) { load_block(tKgK, tKsK, i + 1, cute::false_type{}); }
+                    if (i + 1 < n_blocks) { load_block(tKgK, tKsK, i + 1, cute::false_type{}, cute::false_type{}); }
                     cp_async_fence();
                 }
 
@@ -203,6 +223,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     float lse[kRows];
     softmax.finalize(acc_o_rc, params.logit_scale, lse);
     TileCoord const out_blk = decode(block_index_reread());
+    if (params.o_partial != nullptr) {
+        store_partial<Traits>(tiled_mma, acc_o, lse, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
+                              out_blk.head, int(blockIdx.y), thread_index_reread());
+        return;
+    }
     store_output<Traits>(tiled_mma, acc_o, lse, smem, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
                          out_blk.head, thread_index_reread());
 }

@@ -19,14 +19,17 @@
 
 namespace flash::sm80 {
 
-template <class Traits>
+template <class Traits, bool kPaged = false>
 cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
     constexpr int kSmem = Traits::kSmemBytes;
-    if (cudaError_t err = allow_smem<&fwd_kernel<Traits>>(kSmem, hints.device); err != cudaSuccess) { return err; }
+    if (cudaError_t err = allow_smem<&fwd_kernel<Traits, kPaged>>(kSmem, hints.device); err != cudaSuccess) {
+        return err;
+    }
     int64_t const num_blocks =
         tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) * params.h;
     if (num_blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
-    fwd_kernel<Traits><<<dim3(unsigned(num_blocks)), Traits::kNThreads, kSmem, stream>>>(params);
+    unsigned const splits = params.num_splits > 1 ? unsigned(params.num_splits) : 1u;
+    fwd_kernel<Traits, kPaged><<<dim3(unsigned(num_blocks), splits), Traits::kNThreads, kSmem, stream>>>(params);
     return cudaGetLastError();
 }
 
@@ -55,8 +58,20 @@ cudaError_t launch_by_tile_length(FwdParams const& params, LaunchHints const& hi
 // Tile shapes, measured on an H200 (benchmark/RESULTS.md): 32 query rows per warp halve the shared-memory reads per
 // MMA, and narrow key blocks with three stages beat wider ones with two, which spill. Up to d = 192 the largest tile
 // fits the 99 KB of sm86/89/120.
+// A paged cache (decoding) takes one tile per head dim, the smallest: only it gets a paged kernel.
+template <int kHeadDim, typename Element>
+using PagedTraits =
+    FwdTraits<kHeadDim,
+              kHeadDim <= 64    ? FwdTile{.block_m = 128, .block_n = 64, .warps = 4, .kv_stages = 3}
+              : kHeadDim <= 128 ? FwdTile{.block_m = 128, .block_n = 32, .warps = 4, .kv_stages = 3}
+                                : FwdTile{.block_m = 64, .block_n = 64, .warps = 4, .kv_stages = 1},
+              Element>;
+
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
+    if (params.block_table != nullptr) {
+        return launch_fwd<PagedTraits<kHeadDim, Element>, true>(params, hints, stream);
+    }
     if constexpr (kHeadDim == 32) {
         return launch_fwd<FwdTraits<32, FwdTile{.block_m = 128, .block_n = 64, .warps = 4, .kv_stages = 3}, Element>>(
             params, hints, stream);

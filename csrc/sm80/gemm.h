@@ -40,6 +40,24 @@ __device__ __forceinline__ void load_tile(TiledCopy const& tiled_copy, TensorG c
     }
 }
 
+// load_tile for a tile whose rows lie apart (a paged cache): row r of the tile starts at row_ptr(r), nullptr past the
+// sequence (zero-filled, from the address `valid`, which a predicated-off cp.async does not read); g_like is a
+// partition of a global tile of the same shape, for its copy layout.
+template <class TiledCopy, class TensorG, class TensorS, class TensorC, class RowPtr, typename T>
+__device__ __forceinline__ void load_rows(TiledCopy const& tiled_copy, TensorG const& g_like, TensorS&& s,
+                                          TensorC const& coord, RowPtr const& row_ptr, T const* valid, int cols) {
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(s); ++m) {
+        auto const* src = row_ptr(get<0>(coord(0, m, 0)));
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(s); ++k) {
+            int const col = get<1>(coord(0, m, k));
+            Tensor from = make_tensor(make_gmem_ptr(src != nullptr ? src + col : valid), g_like(_, m, k).layout());
+            copy(tiled_copy.with(src != nullptr && col < cols), from, s(_, m, k));
+        }
+    }
+}
+
 // A thread's ldmatrix partition of a swizzled shared-memory tile, addressed from one held value per operand.
 // The swizzle Sw is linear over XOR, and Sw(x + y) = Sw(x) + y when y is a multiple of its period P. A thread's own
 // offset t in an ldmatrix partition is a row start plus 0 or 8 columns, while the operand's slices step by whole

@@ -57,29 +57,6 @@ __device__ __forceinline__ void store_output_tma(typename Traits::TmaO const& tm
     }
 }
 
-// Stores a fragment seen as (rows, cols) from registers, each value through to_element, in pairs of adjacent columns
-// (c, c + 1), c even: rows below rows_left, columns below cols, of the tile at `base`.
-template <class CoordRC, class FragRC, typename Element, class ToElement>
-__device__ __forceinline__ void store_row_pairs(CoordRC const& coord_rc, FragRC const& frag_rc, Element* base,
-                                                int64_t row_stride, int rows_left, int cols, ToElement to_element) {
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(frag_rc); ++r) {
-        int const row = get<0>(coord_rc(r, 0));
-        if (row < rows_left) {
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(frag_rc); c += 2) {
-                int const col = get<1>(coord_rc(r, c));
-                if (col < cols) {
-                    cutlass::Array<Element, 2> pair;
-                    pair[0] = to_element(frag_rc(r, c));
-                    pair[1] = to_element(frag_rc(r, c + 1));
-                    *reinterpret_cast<cutlass::Array<Element, 2>*>(base + int64_t(row) * row_stride + col) = pair;
-                }
-            }
-        }
-    }
-}
-
 // Each thread stores its own rows from registers: pairs of adjacent columns (c, c + 1), c even, 4 bytes each.
 template <class Traits, class CoordRC, class FragO>
 __device__ __forceinline__ void store_output_registers(CoordRC const& coord_rc, FragO const& r_o,
@@ -103,7 +80,7 @@ __device__ __forceinline__ void store_output(typename Traits::TmaO const& tma_o,
     typename Traits::TiledMmaO mma_o;
     Tensor coord_rc = rowcol_view(
         mma_o.get_thread_slice(ctid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
-    store_lse(coord_rc, lse, params, seq, head, row0);
+    store_lse(params.lse, coord_rc, lse, params, seq, head, row0);
     Tensor r_o = convert_fragment<typename Traits::Element>(acc_o);
     if (via_tma) {
         store_output_tma<Traits>(tma_o, shared, r_o, params, seq, m_block, head, ctid);

@@ -96,10 +96,18 @@ cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cu
     }
 }
 
+template <int kHeadDim>
+char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
+    if (params.o_partial != nullptr || params.block_table != nullptr) {
+        return "split-KV partials and paged caches are taken by the SM80 tier's forward";
+    }
+    return unsupported_head_dim<kHeadDim, FwdParams>(params, hints);
+}
+
 template <int kHeadDim, typename Element, typename ElementOut>
 KernelDescriptor<FwdParams> fwd_descriptor() {
     static_assert(std::is_same_v<Element, ElementOut>, "the SM90 forward writes out in the input dtype");
-    return {&unsupported_head_dim<kHeadDim, FwdParams>, &no_workspace<FwdParams>, &run_fwd<kHeadDim, Element>};
+    return {&unsupported_fwd<kHeadDim>, &no_workspace<FwdParams>, &run_fwd<kHeadDim, Element>};
 }
 
 }  // namespace flash::sm90

@@ -1,5 +1,6 @@
 // Combine of split-KV partials (CombineParams), for every tier: each row (batch, row, head) is read by kHeadDim / 8
-// lanes of a warp, 16 bytes each per split, so that a warp takes 32 / (kHeadDim / 8) rows. The weights exp(lse_s - max)
+// lanes of a warp, 8 values each per split (16 bytes of 16-bit partials, 32 of fp32 ones), so that a warp takes
+// 32 / (kHeadDim / 8) rows. The weights exp(lse_s - max)
 // are computed by every lane of the row from the split's lse (one broadcast load), the output accumulated in fp32.
 #pragma once
 
@@ -14,7 +15,28 @@ namespace flash {
 
 constexpr int kCombineWarps = 4;
 
-template <typename Element, int kHeadDim>
+// Eight values moved in 16-byte accesses: the compiler does not merge an Array's 4-byte storage words into one.
+template <typename T>
+__device__ __forceinline__ cutlass::Array<T, 8> load8(T const* src) {
+    cutlass::Array<T, 8> v;
+    static_assert(sizeof(v) % 16 == 0);
+    CUTE_UNROLL
+    for (int i = 0; i < int(sizeof(v) / 16); ++i) {
+        reinterpret_cast<uint4*>(&v)[i] = reinterpret_cast<uint4 const*>(src)[i];
+    }
+    return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(T* dest, cutlass::Array<T, 8> const& v) {
+    static_assert(sizeof(v) == 16);
+    uint32_t const* w = reinterpret_cast<uint32_t const*>(&v);
+    // A uint4 assignment here comes out as four 4-byte stores.
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dest), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                 : "memory");
+}
+
+template <typename Partial, typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_constant__ CombineParams const p) {
     constexpr int kLanesPerRow = kHeadDim / 8;
     constexpr int kRowsPerWarp = 32 / kLanesPerRow;
@@ -33,9 +55,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
     for (int s = 0; s < p.splits; ++s) { top = fmaxf(top, lse[s * p.lp_split_stride]); }
     float const base = top == -INFINITY ? 0.f : top;  // no split saw a key: weights 0, not NaN
 
-    using Vec = cutlass::Array<Element, 8>;
-    cutlass::NumericArrayConverter<float, Element, 8> to_float;
-    auto const* partial = static_cast<Element const*>(p.out_partial) + batch * p.op_batch_stride +
+    cutlass::NumericArrayConverter<float, Partial, 8> to_float;
+    auto const* partial = static_cast<Partial const*>(p.out_partial) + batch * p.op_batch_stride +
                           row * p.op_row_stride + head * p.op_head_stride + col;
     bool const active = col < p.d;
     cutlass::Array<float, 8> acc;
@@ -45,7 +66,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
         float const w = __expf(lse[s * p.lp_split_stride] - base);  // a NaN lse makes the row NaN
         sum += w;
         if (active) {
-            auto const v = to_float(*reinterpret_cast<Vec const*>(partial + s * p.op_split_stride));
+            auto const v = to_float(load8(partial + s * p.op_split_stride));
             CUTE_UNROLL
             for (int i = 0; i < 8; ++i) { acc[i] += w * v[i]; }
         }
@@ -55,8 +76,9 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
         CUTE_UNROLL
         for (int i = 0; i < 8; ++i) { acc[i] *= inv; }
         cutlass::NumericArrayConverter<Element, float, 8> to_element;
-        *reinterpret_cast<Vec*>(static_cast<Element*>(p.out) + batch * p.o_batch_stride + row * p.o_row_stride +
-                                head * p.o_head_stride + col) = to_element(acc);
+        Element* out = static_cast<Element*>(p.out) + batch * p.o_batch_stride + row * p.o_row_stride +
+                       head * p.o_head_stride + col;
+        store8(out, to_element(acc));
     }
     if (p.lse != nullptr && col == 0) { p.lse[(int64_t(batch) * p.h + head) * p.rows + row] = logf(sum) + base; }
 }
