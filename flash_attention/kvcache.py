@@ -1,18 +1,17 @@
-"""flash-attn 2's flash_attn_with_kvcache, composed from this package's varlen attention and PyTorch ops.
+"""flash-attn 2's flash_attn_with_kvcache: the append and rotary embedding as PyTorch ops, the attention native.
 
-The new keys and values (rotary embedding applied to the keys) are written into the cache in place; a paged cache's
-pages, or the cache entries that cache_batch_idx selects, are gathered into a contiguous copy; the attention then runs
-as one varlen call over the cache's rows, its used length per sequence (cache_seqlens plus the new tokens, from
-cache_leftpad on) given as seqused_k. Nothing reads a tensor's values on the host, so a decode step can be captured in
-a CUDA graph and traced by torch.compile.
+The new keys and values (rotary embedding applied to the keys) are written into the cache in place; the attention
+then runs over each sequence's used rows (cache_seqlens plus the new tokens, from cache_leftpad on). Nothing reads a
+tensor's values on the host, so a decode step can be captured in a CUDA graph and traced by torch.compile.
 
-Where it is exact (one query row, or no mask, and no window or ALiBi), GQA packing and split-KV happen here: the query
-heads of a kv head become rows of one sequence, so each K/V block is read once per kv head; and each sequence's keys
-are cut into num_splits chunks (0: enough to fill the GPU). Without cache_leftpad the kernel splits them itself
-(_ops.split_attention: SM80-tier CTAs per chunk write fp32 partials, which the combine kernel merges) and reads a
-paged cache in place; with it, the chunks are attended to as sequences of their own in the varlen call, whose outputs
-flash_attn_combine merges by their lse (rounded to the input dtype before the merge). Not yet native: paged K/V loads
-for the other calls (the gather costs a copy of the used pages), and a fused append/rotary.
+Where it is exact (one query row, or no mask, and no window or ALiBi), the query heads of a kv head become rows of one
+sequence (GQA packing), so each K/V block is read once per kv head. Without cache_leftpad and ALiBi the call is native
+(_ops.split_attention): SM80-tier CTAs read the cache in place (a paged one through its block table), each
+sequence's keys cut into num_splits chunks (0: enough to fill the GPU; each chunk masked as the whole call is) whose
+fp32 partials the combine kernel merges. Otherwise, and under torch.compile, it is composed: pages or the entries that
+cache_batch_idx selects are gathered into a contiguous copy, and where exact the chunks are attended to as sequences
+of their own in one varlen call, whose outputs flash_attn_combine merges by their lse (rounded to the input dtype
+before the merge). Not yet native: leftpad and ALiBi, in-kernel GQA packing under a mask, a fused append/rotary.
 """
 
 import functools
@@ -162,7 +161,7 @@ def flash_attn_with_kvcache(
     the new keys are rotated at their cache rows; q at rows cache_seqlens[i] + its row when causal or local, else
     all at cache_seqlens[i]; interleaved (pairs) or not (halves), as rotary_interleaved says. Masks align
     bottom-right with the used rows [cache_leftpad, cache_seqlens + seqlen_new). num_splits: key chunks per sequence
-    where splitting is exact (see the module's docstring), 0 for a count from the shape and the SM count, 1 for none.
+    (see the module's docstring), 0 for a count from the shape and the SM count, 1 for none.
     Values are not checked (that would wait for the GPU): out-of-range ones are clamped to the tensors, which keeps
     every access in bounds but makes the result unspecified.
 
@@ -214,24 +213,27 @@ def flash_attn_with_kvcache(
         rows, heads = sq, h
     if exact:
         causal = False  # one query row sees every used key under a bottom-right causal mask
-    splits = _splits(num_splits, b * heads * -(-rows // 64), cache_len, q.device) if exact else 1
-    paged = block_table is not None and cache_batch_idx is None
-    if exact and (splits > 1 or paged) and cache_leftpad is None and d % 8 == 0 \
-            and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier):
-        # Native split-KV: the kernel cuts each sequence's used keys itself and writes fp32 partials, which the
-        # combine kernel merges; no query copies or split metadata. A paged cache is read in place, not gathered.
+    tiles = b * heads * -(-rows // 64)
+    if alibi_slopes is None and cache_leftpad is None and (block_table is None or cache_batch_idx is None) \
+            and d % 8 == 0 and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier):
+        # Native: the kernel cuts each sequence's used keys into chunks itself (each chunk masked as the whole call
+        # is, so any mask splits) and writes fp32 partials, which the combine kernel merges; no query copies or split
+        # metadata. A paged cache is read in place, not gathered.
         scale, _, _, cap, _ = interface._scalar_options(0.0, softmax_scale, False, (-1, -1), softcap, False)
         scale = d ** -0.5 if scale is None else scale
+        window = interface.normalize_window(window_size, causal, rows, cache_len)
         used = (cache_seqlens + s_new if s_new else cache_seqlens).contiguous()
-        if paged:
+        if block_table is not None:
             keys, values, table = k_cache, v_cache, block_table.contiguous()
         else:
             keys, values, table = (_cache_rows(k_cache, None, cache_batch_idx, b),
                                    _cache_rows(v_cache, None, cache_batch_idx, b), None)
-        out, lse = _ops.split_attention(q, keys, values, used, table, scale, -1, -1, cap, splits)
+        splits = _splits(num_splits, tiles, cache_len, q.device)
+        out, lse = _ops.split_attention(q, keys, values, used, table, scale, *window, cap, splits)
         if pack:
             out, lse = interface.unpack_gqa(out, lse, sq)
         return (out, lse) if return_softmax_lse else out
+    splits = _splits(num_splits, tiles, cache_len, q.device) if exact else 1
     keys = _cache_rows(k_cache, block_table, cache_batch_idx, b)
     values = _cache_rows(v_cache, block_table, cache_batch_idx, b)
     chunk = -(-cache_len // splits)
@@ -313,12 +315,12 @@ class _SplitLayout:
 
 
 def _splits(num_splits: int, tiles: int, cache_len: int, device: torch.device) -> int:
-    """Key chunks per sequence: num_splits when given (at most one per key); with 0, enough for about one wave of
-    query tiles x chunks over the GPU's SMs, with chunks of at least 512 keys, at most 32 of them."""
+    """Key chunks per sequence: num_splits when given (at most one per key); with 0, as many as keep query tiles x
+    chunks within one wave of two CTAs per SM (a decode tile's K/V loads need two to keep HBM busy; a second, partial
+    wave costs more than fewer chunks), chunks of at least 512 keys, at most 64 of them (H100, RESULTS.md)."""
     if num_splits > 0:
-        return max(1, min(num_splits, cache_len))
-    sms = _sm_count(device)
-    return max(1, min(-(-sms // max(tiles, 1)), cache_len // 512, 32))
+        return max(1, min(num_splits, cache_len, 256))
+    return max(1, min(2 * _sm_count(device) // max(tiles, 1), cache_len // 512, 64))
 
 
 @functools.lru_cache(maxsize=None)

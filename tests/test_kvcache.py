@@ -314,7 +314,8 @@ def test_gqa_packing(stub_kernel, sq, causal, window, alibi, packed):
 
 SPLIT_CASES = [
     # (case, num_splits): split-KV where it is exact (one query row or no mask), with GQA packing, paging, leftpad,
-    # new tokens, rotary; and cases where it is not exact, which must run unsplit.
+    # new tokens, rotary; and cases where it is not: composed (the CPU stub, leftpad) they run unsplit, native each
+    # chunk is masked as the whole call is.
     ((1, 1, True, (-1, -1), (32, True), True, False, 16), 3),
     ((4, 2, False, (-1, -1), None, False, True, None), 7),
     ((1, 0, True, (-1, -1), None, False, False, 3), 48),

@@ -360,6 +360,16 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     }
     set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, none, seqs, paged_rows);
     auto const fp32 = q.options().dtype(at::kFloat);
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    at::Tensor lse = at::empty({p.b, p.h, p.sq}, fp32);
+    if (num_splits == 1) {  // one chunk: its output is the result, stored as the forward stores it
+        p.o = out.data_ptr();
+        p.lse = lse.data_ptr<float>();
+        Strides const os = strides_of(out, false);
+        p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
+        run("fwd", tier, kernel_head_dim, q, p, launch_hints(p, q, seqs));
+        return {out, lse};
+    }
     at::Tensor const o_partial = at::empty({num_splits, p.b, p.sq, p.h, p.d}, fp32);
     at::Tensor const lse_partial = at::empty({num_splits, p.b, p.h, p.sq}, fp32);
     p.num_splits = int(num_splits);
@@ -369,8 +379,6 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     p.lse_partial_split_stride = lse_partial.stride(0);
     p.o_batch_stride = o_partial.stride(1), p.o_row_stride = o_partial.stride(2), p.o_head_stride = o_partial.stride(3);
     run("fwd", tier, kernel_head_dim, q, p, launch_hints(p, q, seqs));
-    at::Tensor out = at::empty(q.sizes(), q.options());
-    at::Tensor lse = at::empty({p.b, p.h, p.sq}, fp32);
     combine(o_partial, lse_partial.transpose(2, 3), out, lse, kernel_head_dim, tier);
     return {out, lse};
 }

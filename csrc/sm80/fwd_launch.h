@@ -58,19 +58,23 @@ cudaError_t launch_by_tile_length(FwdParams const& params, LaunchHints const& hi
 // Tile shapes, measured on an H200 (benchmark/RESULTS.md): 32 query rows per warp halve the shared-memory reads per
 // MMA, and narrow key blocks with three stages beat wider ones with two, which spill. Up to d = 192 the largest tile
 // fits the 99 KB of sm86/89/120.
-// A paged cache (decoding) takes one tile per head dim, the smallest: only it gets a paged kernel.
+// Decode-shaped calls (split-KV partials, a paged cache, query tiles of at most 64 rows) take one tile per head dim:
+// few query rows (GQA-packed) over many keys, so 64-row tiles (16 rows per warp, the least wasted MMA work) and wide
+// key blocks, whose loads put the most bytes in flight per CTA (FlashAttention-2's split-KV tile; H100, RESULTS.md).
 template <int kHeadDim, typename Element>
-using PagedTraits =
+using DecodeTraits =
     FwdTraits<kHeadDim,
-              kHeadDim <= 64    ? FwdTile{.block_m = 128, .block_n = 64, .warps = 4, .kv_stages = 3}
-              : kHeadDim <= 128 ? FwdTile{.block_m = 128, .block_n = 32, .warps = 4, .kv_stages = 3}
-                                : FwdTile{.block_m = 64, .block_n = 64, .warps = 4, .kv_stages = 1},
+              kHeadDim <= 128 ? FwdTile{.block_m = 64, .block_n = 128, .warps = 4, .kv_stages = 1}
+                              : FwdTile{.block_m = 64, .block_n = 64, .warps = 4, .kv_stages = 1},
               Element>;
 
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     if (params.block_table != nullptr) {
-        return launch_fwd<PagedTraits<kHeadDim, Element>, true>(params, hints, stream);
+        return launch_fwd<DecodeTraits<kHeadDim, Element>, true>(params, hints, stream);
+    }
+    if (params.o_partial != nullptr || hints.max_seqlen_q <= 64) {
+        return launch_fwd<DecodeTraits<kHeadDim, Element>>(params, hints, stream);
     }
     if constexpr (kHeadDim == 32) {
         return launch_fwd<FwdTraits<32, FwdTile{.block_m = 128, .block_n = 64, .warps = 4, .kv_stages = 3}, Element>>(

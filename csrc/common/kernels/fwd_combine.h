@@ -14,6 +14,7 @@
 namespace flash {
 
 constexpr int kCombineWarps = 4;
+constexpr int kBatch = 4;  // splits whose loads are in flight at once
 
 // Eight values moved in 16-byte accesses: the compiler does not merge an Array's 4-byte storage words into one.
 template <typename T>
@@ -51,8 +52,17 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
     int const col = lane % kLanesPerRow * 8;
 
     float const* lse = p.lse_partial + batch * p.lp_batch_stride + row * p.lp_row_stride + head * p.lp_head_stride;
+    // Splits are read kBatch at a time, all loads issued before any is used: one at a time, each load's latency
+    // adds up over the splits (a decode step's combine is a few rows against many splits).
+    auto lse_of = [&](int s) { return s < p.splits ? lse[s * p.lp_split_stride] : -INFINITY; };
     float top = -INFINITY;
-    for (int s = 0; s < p.splits; ++s) { top = fmaxf(top, lse[s * p.lp_split_stride]); }
+    for (int s0 = 0; s0 < p.splits; s0 += kBatch) {
+        float l[kBatch];
+        CUTE_UNROLL
+        for (int i = 0; i < kBatch; ++i) { l[i] = lse_of(s0 + i); }
+        CUTE_UNROLL
+        for (int i = 0; i < kBatch; ++i) { top = fmaxf(top, l[i]); }
+    }
     float const base = top == -INFINITY ? 0.f : top;  // no split saw a key: weights 0, not NaN
 
     cutlass::NumericArrayConverter<float, Partial, 8> to_float;
@@ -62,13 +72,22 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
     cutlass::Array<float, 8> acc;
     acc.fill(0.f);
     float sum = 0.f;
-    for (int s = 0; s < p.splits; ++s) {
-        float const w = __expf(lse[s * p.lp_split_stride] - base);  // a NaN lse makes the row NaN
-        sum += w;
-        if (active) {
-            auto const v = to_float(load8(partial + s * p.op_split_stride));
-            CUTE_UNROLL
-            for (int i = 0; i < 8; ++i) { acc[i] += w * v[i]; }
+    for (int s0 = 0; s0 < p.splits; s0 += kBatch) {
+        float w[kBatch];
+        cutlass::Array<Partial, 8> v[kBatch];
+        CUTE_UNROLL
+        for (int i = 0; i < kBatch; ++i) {
+            w[i] = __expf(lse_of(s0 + i) - base);  // a NaN lse makes the row NaN; a missing split weighs 0
+            if (active && s0 + i < p.splits) { v[i] = load8(partial + (s0 + i) * p.op_split_stride); }
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < kBatch; ++i) {
+            sum += w[i];
+            if (active && s0 + i < p.splits) {
+                auto const x = to_float(v[i]);
+                CUTE_UNROLL
+                for (int j = 0; j < 8; ++j) { acc[j] += w[i] * x[j]; }
+            }
         }
     }
     float const inv = sum > 0.f ? 1.f / sum : 0.f;
