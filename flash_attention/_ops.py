@@ -190,22 +190,24 @@ def fwd_split(
     window_right: int,
     softcap: float,
     num_splits: int,
+    packed_heads: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Split-KV forward for decoding, not differentiable: q (b, sq, h, d), k/v (b, sk, hk, d) validated, head dim a
     multiple of 8, of which sequence i uses the first seqused_k[i] keys; each query tile's keys are cut into
     num_splits chunks attended to by CTAs of their own (SM80-tier kernel, fp32 partials), merged by the combine
     kernel. With block_table (int32 (b, max_blocks)), k/v are page pools (num_pages, page_size, hk, d) read in place:
-    key j of sequence i is row j % page_size of page block_table[i, j // page_size]. Returns (out, lse (b, h, sq))."""
+    key j of sequence i is row j % page_size of page block_table[i, j // page_size]. packed_heads > 1: q is
+    GQA-packed (interface.pack_gqa), row r masked as query r // packed_heads. Returns (out, lse (b, h, sq))."""
     return split_forward_impl(q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, softcap,
-                              num_splits)
+                              num_splits, packed_heads)
 
 
 def split_forward_impl(q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, softcap,
-                       num_splits):
+                       num_splits, packed_heads):
     ext = _dispatch.load_extension()
     tier_id, kernel_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, SPLIT_TIER)
     return ext.fwd_split(q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, softcap,
-                         num_splits, kernel_dim, tier_id)
+                         num_splits, packed_heads, kernel_dim, tier_id)
 
 
 def split_attention(q, k, v, *args) -> Tuple[torch.Tensor, torch.Tensor]:

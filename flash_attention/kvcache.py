@@ -4,14 +4,15 @@ The new keys and values (rotary embedding applied to the keys) are written into 
 then runs over each sequence's used rows (cache_seqlens plus the new tokens, from cache_leftpad on). Nothing reads a
 tensor's values on the host, so a decode step can be captured in a CUDA graph and traced by torch.compile.
 
-Where it is exact (one query row, or no mask, and no window or ALiBi), the query heads of a kv head become rows of one
-sequence (GQA packing), so each K/V block is read once per kv head. Without cache_leftpad and ALiBi the call is native
-(_ops.split_attention): SM80-tier CTAs read the cache in place (a paged one through its block table), each
-sequence's keys cut into num_splits chunks (0: enough to fill the GPU; each chunk masked as the whole call is) whose
-fp32 partials the combine kernel merges. Otherwise, and under torch.compile, it is composed: pages or the entries that
-cache_batch_idx selects are gathered into a contiguous copy, and where exact the chunks are attended to as sequences
-of their own in one varlen call, whose outputs flash_attn_combine merges by their lse (rounded to the input dtype
-before the merge). Not yet native: leftpad and ALiBi, in-kernel GQA packing under a mask, a fused append/rotary.
+Without cache_leftpad and ALiBi the call is native (_ops.split_attention): SM80-tier CTAs read the cache in place (a
+paged one through its block table), each sequence's keys cut into num_splits chunks (0: enough to fill the GPU;
+each chunk masked as the whole call is) whose fp32 partials the combine kernel merges, and the query heads of a kv
+head become rows of one sequence (GQA packing, each packed row masked as its query row), so each K/V block is read
+once per kv head. Otherwise, and under torch.compile, it is composed: pages or the entries that cache_batch_idx
+selects are gathered into a contiguous copy, and where exact (one query row, or no mask, and no window or ALiBi) the
+query heads are packed and the chunks attended to as sequences of their own in one varlen call, whose outputs
+flash_attn_combine merges by their lse (rounded to the input dtype before the merge). Not yet native: leftpad and
+ALiBi, a fused append/rotary.
 """
 
 import functools
@@ -199,29 +200,31 @@ def flash_attn_with_kvcache(
     hk = k_cache.shape[2]
     group = h // hk
     # Where every query row sees the same keys (one query row, or no mask) and no per-head or per-position bias
-    # applies, the keys can be regrouped freely:
-    # - GQA packing (interface.pack_gqa): the query heads that share a kv head become rows of one sequence of it;
-    # - split-KV: each sequence's used keys are cut into `splits` chunks, each attended to by a copy of its query rows
-    #   as a sequence of its own, and the chunks' outputs are combined by their lse (flash_attn_combine): a decode
-    #   step with few (sequence, kv head) pairs then fills the GPU.
+    # applies, the keys can be regrouped freely (exact). Native calls (the SM80-tier kernel reads the cache in place
+    # and splits the keys itself, each chunk masked as the whole call) GQA-pack under any mask too: the kernel masks
+    # a packed row as its query row.
+    # - GQA packing (interface.pack_gqa): the query heads that share a kv head become rows of one sequence of it, so
+    #   each K/V block is read once per kv head;
+    # - split-KV: each sequence's used keys are cut into `splits` chunks whose outputs are combined by their lse: a
+    #   decode step with few (sequence, kv head) pairs then fills the GPU. Composed (not native), each chunk is a
+    #   sequence of its own in a varlen call, which only an exact call allows.
     exact = alibi_slopes is None and not local and (sq == 1 or not causal)
-    pack = exact and group > 1
+    if exact:
+        causal = False  # one query row sees every used key under a bottom-right causal mask
+    native = alibi_slopes is None and cache_leftpad is None and (block_table is None or cache_batch_idx is None) \
+        and d % 8 == 0 and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier)
+    pack = group > 1 and (exact or native)
     if pack:
         rows, heads = sq * group, hk
         q = interface.pack_gqa(q, hk)
     else:
         rows, heads = sq, h
-    if exact:
-        causal = False  # one query row sees every used key under a bottom-right causal mask
     tiles = b * heads * -(-rows // 64)
-    if alibi_slopes is None and cache_leftpad is None and (block_table is None or cache_batch_idx is None) \
-            and d % 8 == 0 and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier):
-        # Native: the kernel cuts each sequence's used keys into chunks itself (each chunk masked as the whole call
-        # is, so any mask splits) and writes fp32 partials, which the combine kernel merges; no query copies or split
-        # metadata. A paged cache is read in place, not gathered.
+    if native:
+        # No query copies or split metadata; a paged cache is read in place, not gathered.
         scale, _, _, cap, _ = interface._scalar_options(0.0, softmax_scale, False, (-1, -1), softcap, False)
         scale = d ** -0.5 if scale is None else scale
-        window = interface.normalize_window(window_size, causal, rows, cache_len)
+        window = interface.normalize_window(window_size, causal, sq, cache_len)
         used = (cache_seqlens + s_new if s_new else cache_seqlens).contiguous()
         if block_table is not None:
             keys, values, table = k_cache, v_cache, block_table.contiguous()
@@ -229,7 +232,8 @@ def flash_attn_with_kvcache(
             keys, values, table = (_cache_rows(k_cache, None, cache_batch_idx, b),
                                    _cache_rows(v_cache, None, cache_batch_idx, b), None)
         splits = _splits(num_splits, tiles, cache_len, q.device)
-        out, lse = _ops.split_attention(q, keys, values, used, table, scale, *window, cap, splits)
+        out, lse = _ops.split_attention(q, keys, values, used, table, scale, *window, cap, splits,
+                                        group if pack else 1)
         if pack:
             out, lse = interface.unpack_gqa(out, lse, sq)
         return (out, lse) if return_softmax_lse else out

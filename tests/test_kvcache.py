@@ -375,9 +375,10 @@ def pages_of(k, v, page_size):
 def test_native_split_cuda(d, splits, causal, page_size):
     """The native split-KV forward (SM80-tier fp32 partials, merged by the combine kernel) per sequence against the
     fp32 reference over its used keys: GQA, an empty sequence (out 0, lse -inf), one key, partial key blocks, more
-    splits than key blocks, and a causal mask over several query rows (each chunk is masked as the whole call is).
-    Read from pages (any size, shuffled) the results are the same bits as from the contiguous cache."""
-    from flash_attention import _ops
+    splits than key blocks, and a causal mask over several query rows (each chunk is masked as the whole call is),
+    with the query heads GQA-packed (each packed row masked as its query row) or not. Read from pages (any size,
+    shuffled) the results are the same bits as from the contiguous cache."""
+    from flash_attention import _ops, interface
     require_kernel(d, bf16)
     require_kernel(d, bf16, "combine")
     b, sq, h, hk, sk = 4, 3, 8, 2, 1023
@@ -387,21 +388,23 @@ def test_native_split_cuda(d, splits, causal, page_size):
         pytest.skip("no SM80-tier forward and combine kernels for this head dim")
     used = torch.tensor([0, 1, 517, 1023], dtype=torch.int32, device="cuda")
     args = (d ** -0.5, -1, 0 if causal else -1, 0.0, splits)
-    out, lse = _ops.split_attention(q, k, v, used, None, *args)
+    out, lse = _ops.split_attention(q, k, v, used, None, *args, 1)
     if page_size is not None:
         k_pool, v_pool, table = pages_of(k, v, page_size)
-        paged_out, paged_lse = _ops.split_attention(q, k_pool, v_pool, used, table, *args)
+        paged_out, paged_lse = _ops.split_attention(q, k_pool, v_pool, used, table, *args, 1)
         assert torch.equal(paged_out, out) and torch.equal(paged_lse, lse)
         return
-    assert out.shape == q.shape and lse.shape == (b, h, sq) and not out.isnan().any()
-    assert torch.equal(out[0], torch.zeros_like(out[0])) and lse[0].isneginf().all()
-    for i in range(1, b):
-        n = int(used[i])
-        ref_out, ref_lse = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal)
-        low_out, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal, upcast=False)
-        err = (out[i:i + 1].float() - ref_out.float()).abs().max()
-        low_err = (low_out.float() - ref_out.float()).abs().max()
-        assert err <= 2 * low_err + 1e-4, (i, err, low_err)
-        seen = ref_lse.isfinite()
-        assert torch.equal(lse[i:i + 1].isfinite(), seen)
-        assert torch.allclose(lse[i:i + 1][seen], ref_lse[seen].float(), atol=1e-3, rtol=0)
+    packed_out, packed_lse = _ops.split_attention(interface.pack_gqa(q, hk), k, v, used, None, *args, h // hk)
+    for out, lse in ((out, lse), interface.unpack_gqa(packed_out, packed_lse, sq)):
+        assert out.shape == q.shape and lse.shape == (b, h, sq) and not out.isnan().any()
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and lse[0].isneginf().all()
+        for i in range(1, b):
+            n = int(used[i])
+            ref_out, ref_lse = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal)
+            low_out, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal, upcast=False)
+            err = (out[i:i + 1].float() - ref_out.float()).abs().max()
+            low_err = (low_out.float() - ref_out.float()).abs().max()
+            assert err <= 2 * low_err + 1e-4, (i, err, low_err)
+            seen = ref_lse.isfinite()
+            assert torch.equal(lse[i:i + 1].isfinite(), seen)
+            assert torch.allclose(lse[i:i + 1][seen], ref_lse[seen].float(), atol=1e-3, rtol=0)

@@ -224,6 +224,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(
     at::Tensor const q = kernel_operand(q_in), k = kernel_operand(k_in), v = kernel_operand(v_in);
     std::optional<at::Tensor> const alibi = contiguous(alibi_slopes);  // alive until the launch
     flash::FwdParams p{};
+    p.packed_heads = 1;
     set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, alibi, seqs);
     bool const prefill = seqused_q.has_value();
     at::Tensor out = output(q.sizes(), q.options(), prefill ? std::optional<double>(0.0) : std::nullopt);
@@ -333,18 +334,22 @@ void combine(at::Tensor const& out_partial_in, at::Tensor const& lse_partial, at
 // (out, lse (b, h, sq)) of a batched forward whose keys are split into num_splits chunks per query tile (split-KV,
 // for decoding: the chunks fill the GPU where b * h query tiles cannot): the SM80-tier forward writes fp32 partials,
 // the combine kernel merges them. With block_table, k and v are page pools (num_pages, page_size, hk, d), read in
-// place. Each chunk is masked as the whole call is, so any mask splits exactly; seqused_q
-// and ALiBi are not taken (flash_attn_with_kvcache, the caller, passes neither).
+// place. Each chunk is masked as the whole call is, so any mask splits exactly. packed_heads > 1: q is GQA-packed
+// (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query. seqused_q and ALiBi are
+// not taken (flash_attn_with_kvcache, the caller, passes neither).
 std::tuple<at::Tensor, at::Tensor> fwd_split(
     at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in, std::optional<at::Tensor> const& seqused_k,
     std::optional<at::Tensor> const& block_table, double softmax_scale, int64_t window_left, int64_t window_right,
-    double softcap, int64_t num_splits, int64_t kernel_head_dim, int64_t tier) {
+    double softcap, int64_t num_splits, int64_t packed_heads, int64_t kernel_head_dim, int64_t tier) {
     c10::cuda::CUDAGuard guard(q_in.device());
     TORCH_CHECK(num_splits >= 1 && num_splits <= 256, "flash_attention: num_splits must be in [1, 256]");
+    TORCH_CHECK(packed_heads >= 1 && q_in.dim() == 4 && q_in.size(1) % packed_heads == 0,
+                "flash_attention: packed_heads must be >= 1 and divide q's rows");
     std::optional<at::Tensor> const none;
     SeqArgs const seqs{none, none, none, seqused_k, 0, 0};
     at::Tensor const q = kernel_operand(q_in), k = kernel_operand(k_in), v = kernel_operand(v_in);
     flash::FwdParams p{};
+    p.packed_heads = int(packed_heads);
     int64_t paged_rows = 0;
     if (block_table.has_value()) {
         auto const& t = *block_table;
@@ -463,7 +468,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "and tier; differentiable, its backward a C++ autograd node running bwd");
     m.def("fwd_split", &fwd_split,
           "split-KV forward (out, lse): q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, "
-          "softcap, num_splits, kernel_head_dim, tier");
+          "softcap, num_splits, packed_heads, kernel_head_dim, tier");
     m.def("combine", &combine,
           "split-KV combine into out (and lse when given): out_partial, lse_partial, out, lse, kernel_head_dim, tier");
     m.def("available_kernels", &available_kernels,

@@ -47,11 +47,16 @@ __host__ __device__ inline int floor_div(int a, int b) { return a >= 0 ? a / b :
 
 template <int kBlockM, int kBlockN>
 struct BlockRange {
+    // Key blocks [lo, hi) that query rows [r0, r1] visit.
+    __host__ __device__ static Interval n_blocks_of_rows(AttnWindow const& w, int r0, int r1) {
+        Interval const keys = w.keys_of_rows(r0, r1);
+        return keys.empty() ? Interval{0, 0} : Interval{keys.lo / kBlockN, (keys.hi + kBlockN - 1) / kBlockN};
+    }
+
     // Key blocks [lo, hi) that query tile m_block visits.
     __host__ __device__ static Interval n_blocks(AttnWindow const& w, int m_block) {
         int const r0 = m_block * kBlockM;
-        Interval const keys = w.keys_of_rows(r0, cute::min(w.sq, r0 + kBlockM) - 1);
-        return keys.empty() ? Interval{0, 0} : Interval{keys.lo / kBlockN, (keys.hi + kBlockN - 1) / kBlockN};
+        return n_blocks_of_rows(w, r0, cute::min(w.sq, r0 + kBlockM) - 1);
     }
 
     // Query blocks [lo, hi) that key tile n_block is visited by.
@@ -64,10 +69,15 @@ struct BlockRange {
     // Whether some score of tile (m_block, n_block) must be masked: keys past sk, or a window edge crossing the tile.
     // Conservative on the last query tile (rows past sq count as real), which only costs a mask.
     __host__ __device__ static bool needs_mask(AttnWindow const& w, int m_block, int n_block) {
-        int const r0 = m_block * kBlockM, c0 = n_block * kBlockN;
+        return needs_mask_of_rows(w, m_block * kBlockM, m_block * kBlockM + kBlockM - 1, n_block);
+    }
+
+    // The same for query rows [r0, r1].
+    __host__ __device__ static bool needs_mask_of_rows(AttnWindow const& w, int r0, int r1, int n_block) {
+        int const c0 = n_block * kBlockN;
         return c0 + kBlockN > w.sk ||
                (w.right >= 0 && c0 + kBlockN - 1 > r0 + w.diag_offset() + w.right) ||
-               (w.left >= 0 && c0 < r0 + kBlockM - 1 + w.diag_offset() - w.left);
+               (w.left >= 0 && c0 < r1 + w.diag_offset() - w.left);
     }
 
     // The key blocks [lo, hi) of query tile m_block for which needs_mask is false (not clipped to n_blocks), so that

@@ -68,6 +68,10 @@ struct FwdParams : AttnParams {
     int const* __restrict__ block_table;
     int64_t block_table_stride;
     int page_size, num_pages;
+
+    // GQA-packed queries (SM80-tier decode kernels; 1: none): q holds, per kv head, packed_heads query heads per query
+    // position, row r being query r / packed_heads, so masks and key ranges follow r / packed_heads.
+    int packed_heads;
 };
 
 struct BwdParams : AttnParams {

@@ -31,7 +31,9 @@ using namespace cute;
 
 // kPaged: K and V come from a paged cache (params.block_table), row by row; a kernel of its own, since the row
 // addressing next to the dense loads made ptxas spill three times as much in the dense loop.
-template <class Traits, bool kPaged>
+// kPackedRows: the queries may be GQA-packed (params.packed_heads > 1), their masks and key ranges those of query
+// row / packed_heads (the decode kernels; the others skip the divisions).
+template <class Traits, bool kPaged, bool kPackedRows>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_constant__ FwdParams const params) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -55,12 +57,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     SeqlenInfo const seq(params, blk.batch);
     int const head_kv = blk.head / params.h_per_hk;
     int const sq = seq.q.len, sk = seq.k.len, d = params.d;
-    AttnWindow const window = seq.window(params);
     int const m_block = blk.block;
     int const row0 = m_block * kBlockM;
+    int const packed = kPackedRows ? params.packed_heads : 1;
+    // In query rows: the first and last query of this tile.
+    AttnWindow const window{sq / packed, sk, params.window_left, params.window_right};
+    int const query0 = row0 / packed, query1 = (min(sq, row0 + kBlockM) - 1) / packed;
 
     using Range = BlockRange<kBlockM, kBlockN>;
-    Interval n_range = Range::n_blocks(window, m_block);
+    Interval n_range = Range::n_blocks_of_rows(window, query0, query1);
     if (params.num_splits > 1) { n_range = split_chunk(n_range, int(blockIdx.y), params.num_splits); }
     int const n_blocks = n_range.hi - n_range.lo;
     int const n_block_max = n_range.hi;
@@ -202,8 +207,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                         apply_alibi(s_rc, coord_s_rc, row0, col0, window.diag_offset(), slope);
                     }
                 }
-                if (Range::needs_mask(window, m_block, n_block)) {
-                    apply_mask(s_rc, coord_s_rc, window, row0, col0);
+                if (Range::needs_mask_of_rows(window, query0, (row0 + kBlockM - 1) / packed, n_block)) {
+                    apply_mask<true, kPackedRows>(s_rc, coord_s_rc, window, row0, col0, packed);
                 }
                 softmax.update(s_rc, acc_o_rc, params.scale_log2);
 

@@ -19,17 +19,17 @@
 
 namespace flash::sm80 {
 
-template <class Traits, bool kPaged = false>
+template <class Traits, bool kPaged = false, bool kPackedRows = false>
 cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
     constexpr int kSmem = Traits::kSmemBytes;
-    if (cudaError_t err = allow_smem<&fwd_kernel<Traits, kPaged>>(kSmem, hints.device); err != cudaSuccess) {
+    if (cudaError_t err = allow_smem<&fwd_kernel<Traits, kPaged, kPackedRows>>(kSmem, hints.device); err != cudaSuccess) {
         return err;
     }
     int64_t const num_blocks =
         tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) * params.h;
     if (num_blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
     unsigned const splits = params.num_splits > 1 ? unsigned(params.num_splits) : 1u;
-    fwd_kernel<Traits, kPaged><<<dim3(unsigned(num_blocks), splits), Traits::kNThreads, kSmem, stream>>>(params);
+    fwd_kernel<Traits, kPaged, kPackedRows><<<dim3(unsigned(num_blocks), splits), Traits::kNThreads, kSmem, stream>>>(params);
     return cudaGetLastError();
 }
 
@@ -71,10 +71,10 @@ using DecodeTraits =
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     if (params.block_table != nullptr) {
-        return launch_fwd<DecodeTraits<kHeadDim, Element>, true>(params, hints, stream);
+        return launch_fwd<DecodeTraits<kHeadDim, Element>, true, true>(params, hints, stream);
     }
-    if (params.o_partial != nullptr || hints.max_seqlen_q <= 64) {
-        return launch_fwd<DecodeTraits<kHeadDim, Element>>(params, hints, stream);
+    if (params.o_partial != nullptr || params.packed_heads > 1 || hints.max_seqlen_q <= 64) {
+        return launch_fwd<DecodeTraits<kHeadDim, Element>, false, true>(params, hints, stream);
     }
     if constexpr (kHeadDim == 32) {
         return launch_fwd<FwdTraits<32, FwdTile{.block_m = 128, .block_n = 64, .warps = 4, .kv_stages = 3}, Element>>(
