@@ -178,6 +178,14 @@ def split_kernels_available(q: torch.Tensor, tier: Optional[str]) -> bool:
     return fwd_key == combine_key
 
 
+def split_tier_is_default(q: torch.Tensor, tier: Optional[str]) -> bool:
+    """Whether q's forward runs on SPLIT_TIER anyway (no faster tier for this GPU, head dim and dtype)."""
+    try:
+        return _dispatch.resolve_tier(q.device, tier, q.shape[-1], q.dtype, "fwd") == SPLIT_TIER
+    except RuntimeError:
+        return False
+
+
 @torch.library.custom_op("flash_attention::fwd_split", mutates_args=())
 def fwd_split(
     q: torch.Tensor,

@@ -4,7 +4,8 @@ The new keys and values (rotary embedding applied to the keys) are written into 
 then runs over each sequence's used rows (cache_seqlens plus the new tokens, from cache_leftpad on). Nothing reads a
 tensor's values on the host, so a decode step can be captured in a CUDA graph and traced by torch.compile.
 
-Without cache_leftpad and ALiBi the call is native (_ops.split_attention): SM80-tier CTAs read the cache in place (a
+Without cache_leftpad and ALiBi, and unless prefill-shaped (more than 64 query rows) on a GPU with a faster tier of
+its own (Hopper), the call is native (_ops.split_attention): SM80-tier CTAs read the cache in place (a
 paged one through its block table), each sequence's keys cut into num_splits chunks (0: enough to fill the GPU;
 each chunk masked as the whole call is) whose fp32 partials the combine kernel merges, and the query heads of a kv
 head become rows of one sequence (GQA packing, each packed row masked as its query row), so each K/V block is read
@@ -211,8 +212,12 @@ def flash_attn_with_kvcache(
     exact = alibi_slopes is None and not local and (sq == 1 or not causal)
     if exact:
         causal = False  # one query row sees every used key under a bottom-right causal mask
+    # Prefill-shaped calls (more than 64 query rows per head) on a GPU with a faster tier than the split kernels'
+    # (Hopper) are composed, so that the varlen call runs on that tier: its 128-row tiles fill from 64 rows on, and
+    # its speed outweighs the gather of a paged cache.
     native = alibi_slopes is None and cache_leftpad is None and (block_table is None or cache_batch_idx is None) \
-        and d % 8 == 0 and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier)
+        and d % 8 == 0 and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier) \
+        and (sq <= 64 or _ops.split_tier_is_default(q, tier))
     pack = group > 1 and (exact or native)
     if pack:
         rows, heads = sq * group, hk

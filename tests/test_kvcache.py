@@ -408,3 +408,28 @@ def test_native_split_cuda(d, splits, causal, page_size):
             seen = ref_lse.isfinite()
             assert torch.equal(lse[i:i + 1].isfinite(), seen)
             assert torch.allclose(lse[i:i + 1][seen], ref_lse[seen].float(), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("sq, split_tier_default, native", [
+    (1, False, True), (64, False, True), (65, False, False), (512, False, False), (512, True, True),
+])
+def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, native):
+    """Decode-shaped calls (at most 64 query rows) take the native split kernels; prefill-shaped ones do too where the
+    split kernels' tier is the GPU's own, and are composed (one varlen call, on the GPU's faster tier) where it is
+    not (Hopper)."""
+    from flash_attention import _ops
+    split_calls = []
+
+    def fake_split(q, k, v, *args):
+        split_calls.append(q.shape)
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(_ops, "split_kernels_available", lambda q, tier: True)
+    monkeypatch.setattr(_ops, "split_tier_is_default", lambda q, tier: split_tier_default)
+    monkeypatch.setattr(_ops, "split_attention", fake_split)
+    q = torch.randn(2, sq, 8, 64, dtype=bf16)
+    k_cache, v_cache = (torch.randn(2, 600, 2, 64, dtype=bf16) for _ in range(2))
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=600, causal=True)
+    assert (len(split_calls), len(stub_kernel)) == ((1, 0) if native else (0, 1))
+    if native:
+        assert split_calls[0] == (2, sq * 4, 2, 64)  # GQA-packed under the causal mask
