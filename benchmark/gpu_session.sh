@@ -31,6 +31,8 @@ if [ "$what" = sanitize ]; then
   dims=$(python3 -c "from flash_attention import _dispatch; print(' '.join(sorted({str(key[2]) for key in _dispatch.available_kernels()}, key=int)))")
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --print-limit 20 python3 benchmark/small_case.py $dims 2>&1 | tee "$out/sanitize_$tool.log" | tail -6
+    compute-sanitizer --tool $tool --print-limit 20 python3 benchmark/small_case.py --decode $dims 2>&1 \
+      | tee "$out/sanitize_decode_$tool.log" | tail -3
   done
 fi
 if [ "$what" = decode ]; then

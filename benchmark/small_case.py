@@ -4,6 +4,7 @@
     compute-sanitizer --tool memcheck python3 benchmark/small_case.py --varlen 64 128
     compute-sanitizer --tool memcheck python3 benchmark/small_case.py --varlen --malformed 64
     compute-sanitizer --tool racecheck --kernel-name kns=fwd_kernel python3 benchmark/small_case.py --fwd 64 128 256
+    compute-sanitizer --tool racecheck --kernel-name kns=fwd_kernel python3 benchmark/small_case.py --decode 64 128
 
 Sizes are small (the tools slow kernels down by orders of magnitude) but cover a partial query tile, a partial key
 block, GQA, a causal mask and the deterministic dQ order.
@@ -12,13 +13,17 @@ block, GQA, a causal mask and the deterministic dQ order.
 single rows, partial tiles, sq > sk and sq < sk, with and without seqused_q/seqused_k (and rows after the last
 sequence), causal and windowed, the lse in the loss, default and deterministic backward. --malformed adds calls whose
 cu_seqlens/seqused are out of range (past the end, decreasing, negative): the kernels must clamp them to the tensors'
-rows, so memcheck must stay clean (the numbers are unspecified)."""
+rows, so memcheck must stay clean (the numbers are unspecified).
+
+--decode runs flash_attn_with_kvcache's native calls instead (the SM80-tier decode kernels and the combine): one and
+three query rows GQA-packed under a causal mask or a window, split and not, a contiguous cache and caches paged in
+pages of 16 and 3 (shuffled), an empty, a partial and a full sequence, new keys appended."""
 
 import argparse
 
 import torch
 
-from flash_attention import flash_attn_func, flash_attn_varlen_func
+from flash_attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 BF16 = torch.bfloat16
 
@@ -79,22 +84,51 @@ def varlen_case(d, malformed, backward):
                 varlen_call(d, bad_q, bad_k, 200, 200, deterministic, backward, causal=True, **used)
 
 
+def decode_case(d):
+    b, cache_len, h, hk = 3, 240, 8, 2
+    k_cache, v_cache = (torch.randn(b, cache_len, hk, d, dtype=BF16, device="cuda") for _ in range(2))
+    seqlens = int32([0, 77, cache_len - 2])
+    for sq in (1, 3):
+        q = torch.randn(b, sq, h, d, dtype=BF16, device="cuda")
+        for num_splits in (1, 3):
+            for window in ((-1, -1), (20, 0)):
+                flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, window_size=window,
+                                        num_splits=num_splits)
+            for page in (16, 3):
+                pages = cache_len // page
+                order = torch.randperm(b * pages, device="cuda")
+                k_pool, v_pool = (torch.empty(b * pages, page, hk, d, dtype=BF16, device="cuda") for _ in range(2))
+                k_pool[order], v_pool[order] = (c.reshape(b * pages, page, hk, d) for c in (k_cache, v_cache))
+                table = order.view(b, pages).int()
+                flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table, causal=True,
+                                        num_splits=num_splits)
+    k_new, v_new = (torch.randn(b, 2, hk, d, dtype=BF16, device="cuda") for _ in range(2))
+    flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("head_dims", type=int, nargs="*", default=[64])
     parser.add_argument("--varlen", action="store_true", help="run the varlen case instead of the batched one")
     parser.add_argument("--malformed", action="store_true", help="with --varlen: add out-of-range cu_seqlens calls")
     parser.add_argument("--fwd", action="store_true", help="forward only (a build of the forward kernels only)")
+    parser.add_argument("--decode", action="store_true", help="run the kvcache (decode) case instead")
     args = parser.parse_args()
     if args.malformed and not args.varlen:
         parser.error("--malformed goes with --varlen")
+    if args.decode and args.varlen:
+        parser.error("--decode and --varlen are separate cases")
     for d in args.head_dims:
-        if args.varlen:
+        if args.decode:
+            decode_case(d)
+        elif args.varlen:
             varlen_case(d, args.malformed, not args.fwd)
         else:
             batched_case(d, not args.fwd)
     torch.cuda.synchronize()
-    if args.varlen:
+    if args.decode:
+        print("done decode", args.head_dims)
+    elif args.varlen:
         print("done varlen" + (" + malformed" if args.malformed else ""), args.head_dims)
     else:
         print("done", args.head_dims)
