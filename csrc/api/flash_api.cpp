@@ -224,7 +224,6 @@ std::tuple<at::Tensor, at::Tensor> fwd(
     at::Tensor const q = kernel_operand(q_in), k = kernel_operand(k_in), v = kernel_operand(v_in);
     std::optional<at::Tensor> const alibi = contiguous(alibi_slopes);  // alive until the launch
     flash::FwdParams p{};
-    p.packed_heads = 1;
     set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, alibi, seqs);
     bool const prefill = seqused_q.has_value();
     at::Tensor out = output(q.sizes(), q.options(), prefill ? std::optional<double>(0.0) : std::nullopt);

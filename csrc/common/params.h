@@ -71,7 +71,7 @@ struct FwdParams : AttnParams {
 
     // GQA-packed queries (SM80-tier decode kernels; 1: none): q holds, per kv head, packed_heads query heads per query
     // position, row r being query r / packed_heads, so masks and key ranges follow r / packed_heads.
-    int packed_heads;
+    int packed_heads = 1;
 };
 
 struct BwdParams : AttnParams {
