@@ -86,14 +86,17 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
 // Tiles: 128 keys (64 per consumer warpgroup) by query blocks of 64 rows, or 128 at head dim 64 without softcap
 // (whose tanh derivative needs S^T and dP^T in registers together, which 128 rows do not leave room for: see
 // BwdTraits::kdPAfterP); Q and dO double-buffered. Accumulators per consumer thread: dK + dV kHeadDim, S^T and dP^T
-// block_m / 2 each, dQ block_m * kHeadDim / 256.
+// block_m / 2 each, dQ block_m * kHeadDim / 256. Head dim 256 (BwdTraits::kSplitHeadDim): 64 keys shared by both
+// warpgroups, dK + dV 128 and S^T + dP^T 64 registers, dQ in two slices of 32; 208 KB of shared memory with Q
+// double-buffered and dO single.
 template <int kHeadDim, bool kSoftcap>
-constexpr BwdTile kBwdTile{.block_m = kHeadDim == 64 && !kSoftcap ? 128 : 64, .block_n = 128, .q_stages = 2,
-                           .do_stages = 2};
+constexpr BwdTile kBwdTile = kHeadDim > 128
+    ? BwdTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = 1}
+    : BwdTile{.block_m = kHeadDim == 64 && !kSoftcap ? 128 : 64, .block_n = 128, .q_stages = 2, .do_stages = 2};
 
 template <int kHeadDim, typename Element>
 cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "no SM90 backward tile for this head dim");
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "no SM90 backward tile for this head dim");
     BwdParams const bound = BwdWorkspace(params, kHeadDim, true).bind(params, workspace);
     if constexpr (kBwdTile<kHeadDim, true>.block_m != kBwdTile<kHeadDim, false>.block_m) {
         if (params.has_softcap) {

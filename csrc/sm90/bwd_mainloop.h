@@ -181,7 +181,8 @@ __device__ __forceinline__ void store_dq(BwdParams const& params, typename Trait
                                          KeyBlockWork const& work, bool reverse, int lane) {
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     constexpr int kWarpGroups = Traits::kConsumerWarpGroups;
-    constexpr int kBytes = Traits::kdQChunkFloats * int(sizeof(float));
+    constexpr int kRounds = Traits::kdQRounds;
+    constexpr int kBytes = Traits::kdQStagedFloats * int(sizeof(float));
     using Range = BlockRange<kBlockM, kBlockN>;
     QueryBlockCursor cur{work.blk.head * params.h_per_hk, work.m_range.lo, work.m_range.lo, work.m_range.hi};
     int const iters = work.iterations(params);
@@ -189,35 +190,40 @@ __device__ __forceinline__ void store_dq(BwdParams const& params, typename Trait
     for (int wg = 0; wg < kWarpGroups; ++wg) { DqStaging<Traits>{wg}.mark_empty(); }
     for (int it = 0; it < iters; ++it, cur.advance()) {
         int64_t const dq_row = dq_accum_row(params, work.seq, cur.head) + cur.m_block * kBlockM;
-        CUTE_UNROLL
-        for (int wg = 0; wg < kWarpGroups; ++wg) { DqStaging<Traits>{wg}.wait_full(); }
-        if (lane == 0) {
-            int* semaphore = nullptr;
-            if (params.deterministic) {
-                Interval const n_range = Range::n_blocks(work.window, cur.m_block);
-                int const rank = reverse ? n_range.hi - 1 - work.blk.block : work.blk.block - n_range.lo;
-                semaphore = params.dq_semaphore + dq_row / kBlockM;
-                while (load_acquire(semaphore) < rank) {}
-            }
-            CUTE_UNROLL
-            for (int wg = 0; wg < kWarpGroups; ++wg) {
-                bulk_reduce_add(params.dq_accum + dq_row * kHeadDim + wg * Traits::kdQChunkFloats,
-                                shared.dq.data() + wg * Traits::kdQChunkFloats, kBytes);
-            }
-            tma_store_arrive();
-            if (params.deterministic) {
-                // The count moves on only once the additions have landed.
-                bulk_wait_complete();
-                __threadfence();
-                atomicAdd(semaphore, 1);
-            } else {
-                tma_store_wait<0>();  // the buffers have been read
-            }
+        int* semaphore = nullptr;
+        if (params.deterministic && lane == 0) {
+            Interval const n_range = Range::n_blocks(work.window, cur.m_block);
+            int const rank = reverse ? n_range.hi - 1 - work.blk.block : work.blk.block - n_range.lo;
+            semaphore = params.dq_semaphore + dq_row / kBlockM;
+            while (load_acquire(semaphore) < rank) {}
         }
-        __syncwarp();
-        if (it + 1 < iters) {
+        __syncwarp();  // the named barriers below count whole warps
+        CUTE_UNROLL
+        for (int round = 0; round < kRounds; ++round) {
             CUTE_UNROLL
-            for (int wg = 0; wg < kWarpGroups; ++wg) { DqStaging<Traits>{wg}.mark_empty(); }
+            for (int wg = 0; wg < kWarpGroups; ++wg) { DqStaging<Traits>{wg}.wait_full(); }
+            if (lane == 0) {
+                CUTE_UNROLL
+                for (int wg = 0; wg < kWarpGroups; ++wg) {
+                    bulk_reduce_add(params.dq_accum + dq_row * kHeadDim + wg * Traits::kdQChunkFloats +
+                                        round * Traits::kdQStagedFloats,
+                                    shared.dq.data() + wg * Traits::kdQStagedFloats, kBytes);
+                }
+                tma_store_arrive();
+                if (params.deterministic && round + 1 == kRounds) {
+                    // The count moves on only once the additions have landed.
+                    bulk_wait_complete();
+                    __threadfence();
+                    atomicAdd(semaphore, 1);
+                } else {
+                    tma_store_wait<0>();  // the buffers have been read
+                }
+            }
+            __syncwarp();
+            if (it + 1 < iters || round + 1 < kRounds) {
+                CUTE_UNROLL
+                for (int wg = 0; wg < kWarpGroups; ++wg) { DqStaging<Traits>{wg}.mark_empty(); }
+            }
         }
     }
 }
@@ -252,6 +258,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     // uniform registers.
     int const wg = __shfl_sync(0xffffffff, ctid / 128, 0);
     int const wg_tid = ctid % 128;
+    constexpr bool kSplitHeadDim = Traits::kSplitHeadDim;
     auto wg_sdp = mma_sdp.get_slice(wg * 128);
     auto wg_dkv = mma_dkv.get_slice(wg * 128);
     auto wg_dq = mma_dq.get_slice(wg * 128);
@@ -261,8 +268,24 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     Tensor tdPrdO = wg_sdp.partition_fragment_B(sdO);   // (MMA, MMA_N, MMA_K, stage)
     Tensor tdVrdOt = wg_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
     Tensor tdKrQt = wg_dkv.partition_fragment_B(sQt);    // (MMA, MMA_N, MMA_K, stage)
+    // kSplitHeadDim: P^T and dS^T as dV's and dK's A operands, from shared memory.
+    auto tdKVsPdS = [&] {
+        if constexpr (kSplitHeadDim) {
+            return wg_dkv.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_K, buffer)
+        } else {
+            return 0;
+        }
+    }();
     Tensor tdQrdS = wg_dq.partition_fragment_A(sdSt);    // (MMA, MMA_M, MMA_K, buffer)
     Tensor tdQrKt = wg_dq.partition_fragment_B(sKt);
+    // kSplitHeadDim: dQ by slices of this warpgroup's head-dim columns, slice r of K^T being tile wg * kdQRounds + r.
+    typename Traits::TiledMmadQSlice mma_dq_slice;
+    auto slice_dq = mma_dq_slice.get_slice(0);
+    Tensor tdQrdS_slice = slice_dq.partition_fragment_A(sdSt);  // (MMA, MMA_M, MMA_K, buffer)
+    auto kt_slice = [&](int r) {
+        return slice_dq.partition_fragment_B(local_tile(sKt, Shape<Int<Traits::kdQSliceCols>, Int<kBlockN>>{},
+                                                        make_coord(wg * Traits::kdQRounds + r, _0{})));
+    };
 
     typename Traits::SmemCopydS copy_ds;
     auto thr_copy_ds = copy_ds.get_thread_slice(ctid);
@@ -355,7 +378,17 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         convert_fragment_into(acc_s, tdVrP);
         if constexpr (kdPAfterP) { issue_dp(); }
         // dV needs only P: it runs behind dP^T, under dS's math.
-        gemm<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, do_state.index), acc_dv);
+        if constexpr (kSplitHeadDim) {
+            // P^T to shared memory, where dV of each warpgroup's head-dim half reads both warpgroups' queries.
+            copy(copy_ds, thr_copy_ds.retile_S(make_tensor(tdVrP.data(), AccSLayout{})),
+                 tdSsdS(_, _, _, Traits::kPBuffer + buf));
+            cutlass::arch::fence_view_async_shared();
+            sync_consumers<kConsumerThreads>();
+            Tensor tdVsP = tdKVsPdS(_, _, _, Traits::kPBuffer + buf);
+            gemm<false>(mma_dkv, tdVsP, tdVrdOt(_, _, _, do_state.index), acc_dv);
+        } else {
+            gemm<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, do_state.index), acc_dv);
+        }
         warpgroup_wait<1>();  // dP^T is done
 
         // With dP^T issued after P, S^T's fp32 registers are gone: dS takes P from its 16-bit copy.
@@ -379,28 +412,56 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         cutlass::arch::fence_view_async_shared();
         sync_consumers<kConsumerThreads>();  // both warpgroups' dS are in shared memory
 
-        // dQ before dK: its staging below then runs under the dK GEMM.
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
-        gemm<true>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
-        Tensor tdKrdS = make_tensor(r_ds.data(), acc_as_a_operand(AccSLayout{}));
-        gemm<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+        // dQ (or its first slice) before dK: its staging below then runs under the dK GEMM.
+        auto acc_dq = [&] {
+            if constexpr (kSplitHeadDim) {
+                return partition_fragment_C(mma_dq_slice, Shape<_64, Int<Traits::kdQSliceCols>>{});
+            } else {
+                return partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+            }
+        }();
+        auto issue_dq = [&](int r) {
+            if constexpr (kSplitHeadDim) {
+                Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
+                Tensor tdQrKt_r = kt_slice(r);
+                gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_r, acc_dq);
+            } else {
+                Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
+                gemm<true>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
+            }
+        };
+        // dQ (slice) to this warpgroup's staging buffer, once the store warp has read the previous one out of it.
+        DqStaging<Traits> const staging{wg};
+        auto stage_dq = [&] {
+            staging.wait_empty();
+            float* chunk = shared.dq.data() + wg * Traits::kdQStagedFloats;
+            static_assert(decltype(size(acc_dq))::value * 128 == Traits::kdQStagedFloats);
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_dq); i += 4) {
+                *reinterpret_cast<float4*>(chunk + dq_workspace_index<128>(i, wg_tid)) =
+                    make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
+            }
+            cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk reduction
+            staging.mark_full();
+        };
+        issue_dq(0);
+        if constexpr (kSplitHeadDim) {
+            Tensor tdKsdS = tdKVsPdS(_, _, _, buf);
+            gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+        } else {
+            Tensor tdKrdS = make_tensor(r_ds.data(), acc_as_a_operand(AccSLayout{}));
+            gemm<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+        }
         warpgroup_wait<1>();  // dV and dQ are done: dO is free
         shared.do_ring.release_after_loads(do_state);  // D
         do_state.advance();
-
-        // dQ to this warpgroup's staging buffer, once the store warp has read the previous one out of it.
-        DqStaging<Traits> const staging{wg};
-        staging.wait_empty();
-        float* chunk = shared.dq.data() + wg * Traits::kdQChunkFloats;
-        static_assert(decltype(size(acc_dq))::value * 128 == Traits::kdQChunkFloats);
+        stage_dq();
         CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); i += 4) {
-            *reinterpret_cast<float4*>(chunk + dq_workspace_index<128>(i, wg_tid)) =
-                make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
+        for (int r = 1; r < Traits::kdQRounds; ++r) {
+            issue_dq(r);
+            warpgroup_wait<0>();
+            stage_dq();
         }
-        cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk reduction
-        staging.mark_full();
         warpgroup_wait<0>();  // dK is done: Q is free
         shared.q_ring.release_after_loads(q_state);  // lse2
         q_state.advance();

@@ -134,8 +134,9 @@ struct FwdTraits {
     static_assert(kSmemBytes <= kSmemLimit);
 };
 
-// A backward tile: block_n keys (64 per consumer warpgroup) kept in shared memory for the whole CTA, query blocks of
-// block_m rows streamed through rings of q_stages (Q, lse) and do_stages (dO, D) buffers.
+// A backward tile: block_n keys (64 per consumer warpgroup, or 64 shared by both: BwdTraits::kSplitHeadDim) kept in
+// shared memory for the whole CTA, query blocks of block_m rows streamed through rings of q_stages (Q, lse) and
+// do_stages (dO, D) buffers.
 struct BwdTile {
     int block_m, block_n, q_stages, do_stages;
 };
@@ -144,6 +145,10 @@ struct BwdTile {
 // are then, converted to 16 bits, the register A operands of dV += P^T dO and dK += dS^T Q, so P never leaves
 // registers. dS also goes to shared memory (two buffers) for dQ = dS K, which splits the head dim between the
 // warpgroups and so reads both warpgroups' dS. Q^T, dO^T, K^T and dS are MN-major views of the same swizzled buffers.
+// Above head dim 128 (kSplitHeadDim) one warpgroup's dK and dV of 64 keys would take 2 * kHeadDim registers per thread:
+// the two warpgroups then share the CTA's 64 keys and split the head dim of dK, dV and dQ, and the queries of S^T and
+// dP^T; P^T and dS^T meet in shared memory (FA3's exchange at d 256, with the keys kept on M), from where dV and dK
+// read them.
 template <int kHeadDim_, BwdTile kTile, typename Element_>
 struct BwdTraits {
     using Element = Element_;
@@ -152,12 +157,15 @@ struct BwdTraits {
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kQStages = kTile.q_stages;
     static constexpr int kdOStages = kTile.do_stages;
-    static constexpr int kConsumerWarpGroups = kBlockN / 64;
+    static constexpr bool kSplitHeadDim = kHeadDim > 128;
+    static constexpr int kConsumerWarpGroups = kSplitHeadDim ? 2 : kBlockN / 64;
     static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
     static constexpr int kNThreads = kConsumerThreads + 128;
     // dS is staged as (key, query) rows of 128-byte swizzle atoms, one per 64 queries.
     static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 64 == 0);
     static_assert(kConsumerWarpGroups == 2, "dQ splits its rows or the head dim in two");
+    static_assert(!kSplitHeadDim || (kBlockN == 64 && kBlockM == 64),
+                  "split head dims share one warpgroup's 64 keys, and dQ is one warpgroup's 64 rows");
     // With 128 query rows, S^T + dP^T (128 fp32 registers per thread) next to dK + dV leave ptxas too few registers:
     // it serializes the wgmmas and moves dK and dV to local memory. dP^T is then issued once P has left S^T's
     // registers (except under the score mods, which need both), so that the two never live together.
@@ -167,12 +175,21 @@ struct BwdTraits {
     static_assert(register_split_fits(kNThreads, kProducerRegisters, kConsumerWarpGroups, kConsumerRegisters));
 
     using WarpGroupsOnM = Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>;
+    using WarpGroupsOnN = Layout<Shape<_1, Int<kConsumerWarpGroups>, _1>>;
+    using OneWarpGroup = Layout<Shape<_1, _1, _1>>;
+    // Per warpgroup: S^T and dP^T columns (queries), dK and dV columns (head dim).
+    static constexpr int kSdPCols = kSplitHeadDim ? kBlockM / kConsumerWarpGroups : kBlockM;
+    static constexpr int kdKVCols = kSplitHeadDim ? kHeadDim / kConsumerWarpGroups : kHeadDim;
+    using SplitOrM = std::conditional_t<kSplitHeadDim, WarpGroupsOnN, WarpGroupsOnM>;
     using TiledMmaSdP = decltype(make_tiled_mma(
-        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(), WarpGroupsOnM{}));
-    using TiledMmadKV = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
-                             GMMA::Major::MN>(),
-        WarpGroupsOnM{}));
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kSdPCols>, Int<kHeadDim>>>(), SplitOrM{}));
+    // P^T and dS^T from registers (RS), or (kSplitHeadDim) from shared memory, where both warpgroups' halves meet.
+    using MmadKVShape = Shape<_64, Int<kdKVCols>, Int<kBlockM>>;
+    using MmadKVOp = std::conditional_t<
+        kSplitHeadDim,
+        decltype(GMMA::ss_op_selector<Element, Element, float, MmadKVShape, GMMA::Major::K, GMMA::Major::MN>()),
+        decltype(GMMA::rs_op_selector<Element, Element, float, MmadKVShape, GMMA::Major::K, GMMA::Major::MN>())>;
+    using TiledMmadKV = decltype(make_tiled_mma(MmadKVOp{}, SplitOrM{}));
     // dQ = dS K: with 128 query rows each warpgroup takes 64 of them (wgmma N = the head dim, as FA3/FA4 at d 64),
     // with 64 rows half the head dim each.
     static constexpr bool kdQSplitsRows = kBlockM == 64 * kConsumerWarpGroups;
@@ -180,10 +197,20 @@ struct BwdTraits {
     using TiledMmadQ = decltype(make_tiled_mma(
         GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kdQCols>, Int<kBlockN>>, GMMA::Major::MN,
                              GMMA::Major::MN>(),
-        std::conditional_t<kdQSplitsRows, WarpGroupsOnM, Layout<Shape<_1, Int<kConsumerWarpGroups>, _1>>>{}));
+        std::conditional_t<kdQSplitsRows, WarpGroupsOnM, WarpGroupsOnN>{}));
+    // kSplitHeadDim: a warpgroup's dQ columns in kdQRounds slices of kdQSliceCols, each computed, staged and added on
+    // its own (a whole d 256 tile's staging buffer does not fit beside the rings). Slice r of a warpgroup is values
+    // [r, r + 1) * kdQSliceValues of its TiledMmadQ fragment (wgmma's fragment runs over 8-column groups last), so the
+    // workspace keeps TiledMmadQ's order for the conversion kernel.
+    static constexpr int kdQRounds = kSplitHeadDim ? 2 : 1;
+    static constexpr int kdQSliceCols = kdQCols / kdQRounds;
+    using TiledMmadQSlice = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kdQSliceCols>, Int<kBlockN>>, GMMA::Major::MN,
+                             GMMA::Major::MN>(),
+        OneWarpGroup{}));
 
-    // K^T is read in head-dim slices of kdQCols: its swizzle atom must not be wider than one slice.
-    using SmemAtomK = std::conditional_t<kdQCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+    // K^T is read in head-dim slices of kdQSliceCols: its swizzle atom must not be wider than one slice.
+    using SmemAtomK = std::conditional_t<kdQSliceCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
                                          GMMA::Layout_K_SW64_Atom<Element>>;
     using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                                Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
@@ -192,9 +219,12 @@ struct BwdTraits {
     using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
     using SmemLayoutV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                                Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    // dS^T as written from the accumulators: (key, query, buffer), queries contiguous.
+    // dS^T as written from the accumulators: (key, query, buffer), queries contiguous; two buffers, and with
+    // kSplitHeadDim two more for P^T (kPBuffer + buffer).
+    static constexpr int kPBuffer = 2;
+    static constexpr int kPdSBuffers = kSplitHeadDim ? 4 : 2;
     using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                                Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));
+                                                Shape<Int<kBlockN>, Int<kBlockM>, Int<kPdSBuffers>>{}));
     // Transposed views: (head dim, query, stage), (head dim, key), (query, key, buffer).
     using SmemLayoutQt = decltype(composition(
         SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kQStages>>{}, Step<_2, _1, _3>{})));
@@ -204,7 +234,8 @@ struct BwdTraits {
     using SmemLayoutKt = decltype(composition(
         SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
     using SmemLayoutdSt = decltype(composition(
-        SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, _2>{}, Step<_2, _1, _3>{})));
+        SmemLayoutdS{},
+        make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, Int<kPdSBuffers>>{}, Step<_2, _1, _3>{})));
     // Registers to shared memory with stmatrix, in the S^T accumulator's layout.
     using SmemCopydS = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaSdP{}));
 
@@ -233,8 +264,9 @@ struct BwdTraits {
     using SmemCopydKV = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmadKV{}));
 
     // One warpgroup's dQ partial tile: its fragment, in dq_workspace_index order, is one contiguous run of the tile's
-    // accumulator rows, added into them with one bulk reduction.
+    // accumulator rows, added into them with one bulk reduction per slice.
     static constexpr int kdQChunkFloats = kBlockM * kHeadDim / kConsumerWarpGroups;
+    static constexpr int kdQStagedFloats = kdQChunkFloats / kdQRounds;
 
     struct SharedStorage {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
@@ -242,7 +274,7 @@ struct BwdTraits {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> v;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
-        alignas(128) cute::array_aligned<float, kConsumerWarpGroups * kdQChunkFloats> dq;
+        alignas(128) cute::array_aligned<float, kConsumerWarpGroups * kdQStagedFloats> dq;
         alignas(128) float lse2[kQStages][kBlockM];  // per Q stage (BwdParams::lse2)
         alignas(128) float dpsum[kdOStages][kBlockM];  // per dO stage (BwdParams::dpsum)
         uint64_t kv_full;
