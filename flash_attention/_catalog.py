@@ -63,7 +63,8 @@ class Tier:
 TIERS = {
     "sm80": Tier("sm80", 80, (80, 86, 87, 89, 90, 120, 121), ((8, 0), (99, 99)),
                  {"fwd": Kind("FwdParams", "sm80/fwd_launch.h"), "bwd": Kind("BwdParams", "sm80/bwd_launch.h"),
-                  "combine": Kind("CombineParams", "sm80/combine_launch.h")},
+                  "combine": Kind("CombineParams", "sm80/combine_launch.h"),
+                  "append": Kind("AppendParams", "sm80/append_launch.h", (256,))},
                  ("sm80",)),
     # Its d 256 key blocks of 80 columns need CuTe's wgmma shapes with N not a power of two.
     "sm90": Tier("sm90", 90, (90,), ((9, 0), (9, 0)),

@@ -186,6 +186,25 @@ def split_tier_is_default(q: torch.Tensor, tier: Optional[str]) -> bool:
         return False
 
 
+def append_kernel_available(q: torch.Tensor) -> bool:
+    """Whether the append kernel (the SM80 tier's, portable) is built for q's dtype and head dim."""
+    try:
+        _dispatch.resolve(q.device, "append", q.shape[-1], q.dtype, SPLIT_TIER)
+    except RuntimeError:
+        return False
+    return True
+
+
+def append_kv(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, block_table, interleaved,
+              q_steps) -> torch.Tensor:
+    """flash_attn_with_kvcache's append and rotary embedding in one kernel: k, v (rotated k) written into the caches in
+    place, q rotated (returned; q itself without cos). Eager calls only: traced ones take kvcache.py's PyTorch ops."""
+    ext = _dispatch.load_extension()
+    tier_id, kernel_dim = _dispatch.resolve(q.device, "append", q.shape[-1], q.dtype, SPLIT_TIER)
+    contiguous = [None if t is None else t.contiguous() for t in (cache_seqlens, cache_batch_idx, block_table)]
+    return ext.append_kv(q, k_cache, v_cache, k, v, cos, sin, *contiguous, interleaved, q_steps, kernel_dim, tier_id)
+
+
 @torch.library.custom_op("flash_attention::fwd_split", mutates_args=())
 def fwd_split(
     q: torch.Tensor,

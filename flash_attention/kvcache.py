@@ -1,6 +1,7 @@
-"""flash-attn 2's flash_attn_with_kvcache: the append and rotary embedding as PyTorch ops, the attention native.
+"""flash-attn 2's flash_attn_with_kvcache: the append, the rotary embedding and the attention as native kernels.
 
-The new keys and values (rotary embedding applied to the keys) are written into the cache in place; the attention
+The new keys and values (rotary embedding applied to the keys) are written into the cache in place, and q rotated, by
+one kernel (_ops.append_kv; under torch.compile, PyTorch ops with the same arithmetic); the attention
 then runs over each sequence's used rows (cache_seqlens plus the new tokens, from cache_leftpad on). Nothing reads a
 tensor's values on the host, so a decode step can be captured in a CUDA graph and traced by torch.compile.
 
@@ -13,7 +14,7 @@ once per kv head. Otherwise, and under torch.compile, it is composed: pages or t
 selects are gathered into a contiguous copy, and where exact (one query row, or no mask, and no window or ALiBi) the
 query heads are packed and the chunks attended to as sequences of their own in one varlen call, whose outputs
 flash_attn_combine merges by their lse (rounded to the input dtype before the merge). Not yet native: leftpad and
-ALiBi, a fused append/rotary.
+ALiBi.
 """
 
 import functools
@@ -128,6 +129,42 @@ def _append(cache: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, block_ta
         cache[batch[:, None], rows] = new
 
 
+def _append_kernel_usable(q, k_cache, v_cache, k, v, cos, sin) -> bool:
+    """Whether the append kernel takes these tensors: eager, on a GPU, last dims contiguous, rotary tables in q's
+    dtype with contiguous rows (it reads them element by element at fixed strides)."""
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return False
+    if any(t is not None and t.stride(-1) != 1 for t in (q, k_cache, v_cache, k, v, cos, sin)):
+        return False
+    if cos is not None and (cos.dtype != q.dtype or sin.dtype != q.dtype or sin.stride() != cos.stride()):
+        return False
+    return _ops.append_kernel_available(q)
+
+
+def _append_and_rotate(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, block_table, interleaved,
+                       q_steps, cache_len) -> torch.Tensor:
+    """_ops.append_kv as PyTorch ops: k (rotated) and v written into the caches in place, q rotated (returned)."""
+    filled = cache_seqlens.long().clamp(0, cache_len)
+    if k is not None:
+        steps = torch.arange(k.shape[1], device=q.device)
+        ends = filled[:, None] + steps
+        rows = ends.clamp(max=cache_len - 1)
+        # Rows past the cache's end land on its last row, and all carry the last new token (the kernel writes only
+        # that one), so that the order of the duplicate writes does not matter.
+        src = torch.where(ends >= cache_len - 1, k.shape[1] - 1, steps)
+        batch = torch.arange(k.shape[0], device=q.device)[:, None]
+        k, v = k[batch, src], v[batch, src]
+        if cos is not None:
+            k = apply_rotary(k, cos, sin, rows.clamp(max=cos.shape[0] - 1), interleaved)
+        _append(k_cache, k, rows, block_table, cache_batch_idx)
+        _append(v_cache, v, rows, block_table, cache_batch_idx)
+    if cos is None:
+        return q
+    sq = q.shape[1]
+    steps = torch.arange(sq, device=q.device) if q_steps else torch.zeros(sq, dtype=torch.long, device=q.device)
+    return apply_rotary(q, cos, sin, (filled[:, None] + steps).clamp(max=cos.shape[0] - 1), interleaved)
+
+
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -185,18 +222,11 @@ def flash_attn_with_kvcache(
     local = _checks.window_pair(window_size) != (-1, -1)
 
     if k is not None or rotary_cos is not None:
-        filled = cache_seqlens.long().clamp(0, cache_len)
-    if k is not None:
-        rows = (filled[:, None] + torch.arange(s_new, device=q.device)).clamp(max=cache_len - 1)
-        if rotary_cos is not None:
-            k = apply_rotary(k, rotary_cos, rotary_sin, rows.clamp(max=rotary_cos.shape[0] - 1), rotary_interleaved)
-        _append(k_cache, k, rows, block_table, cache_batch_idx)
-        _append(v_cache, v, rows, block_table, cache_batch_idx)
-    if rotary_cos is not None:
-        steps = torch.arange(sq, device=q.device) if causal or local else torch.zeros(sq, dtype=torch.long,
-                                                                                         device=q.device)
-        positions = (filled[:, None] + steps).clamp(max=rotary_cos.shape[0] - 1)
-        q = apply_rotary(q, rotary_cos, rotary_sin, positions, rotary_interleaved)
+        # The new keys go at rows filled + t of each sequence; q's rows are rotated at filled (+ their row when causal
+        # or local). One kernel where it can (eager, on a GPU), else PyTorch ops with the same arithmetic.
+        args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, block_table,
+                bool(rotary_interleaved), causal or local)
+        q = _ops.append_kv(*args) if _append_kernel_usable(*args[:7]) else _append_and_rotate(*args, cache_len)
 
     hk = k_cache.shape[2]
     group = h // hk

@@ -433,3 +433,45 @@ def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, na
     assert (len(split_calls), len(stub_kernel)) == ((1, 0) if native else (0, 1))
     if native:
         assert split_calls[0] == (2, sq * 4, 2, 64)  # GQA-packed under the causal mask
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d, rotary", [(64, None), (64, (64, True)), (64, (32, False)), (64, (40, False)),
+                                       (128, (128, False)), (72, (24, True)), (256, (256, True))])
+@pytest.mark.parametrize("layout", ["plain", "batch_idx", "page3", "page16"])
+@pytest.mark.parametrize("sq, s_new, q_steps", [(1, 1, True), (3, 5, True), (2, 0, False), (4, 2, False)])
+def test_append_kernel_matches_ops_cuda(d, rotary, layout, sq, s_new, q_steps):
+    """The append kernel writes the same cache bits and returns the same rotated q as the PyTorch ops it replaces, for
+    any head dim, rotary dim (interleaved or not, partial, a half not a multiple of 8), cache layout, new tokens past
+    the cache's end (the last of them written to its last row) and rotary positions past the table (clamped to its last row)."""
+    from flash_attention import _ops, kvcache
+    require_kernel(d, bf16, "append")
+    if rotary is None and s_new == 0:
+        pytest.skip("nothing to append or rotate")
+    b, h, hk, cache_len = 3, 8, 2, 48
+    torch.manual_seed(d + s_new)
+    q = torch.randn(b, sq, h, d, dtype=bf16, device="cuda")
+    k, v = ((torch.randn(b, s_new, hk, d, dtype=bf16, device="cuda") for _ in range(2)) if s_new else (None, None))
+    seqlens = torch.tensor([0, 17, cache_len - 1], dtype=torch.int32, device="cuda")
+    cos = sin = None
+    if rotary:
+        cos, sin = rotary_tables(cache_len - 4, rotary[0], "cuda")  # positions past its end are clamped
+    page = {"page3": 3, "page16": 16}.get(layout)
+    if page:
+        pool = torch.randn(b * cache_len // page + 2, page, hk, d, dtype=bf16, device="cuda")
+        table = torch.randperm(pool.shape[0], device="cuda")[: b * cache_len // page].view(b, -1).int()
+        caches, batch_idx = (pool, pool.clone() + 1), None
+    else:
+        caches = tuple(torch.randn(b + 2, cache_len, hk, d, dtype=bf16, device="cuda") for _ in range(2))
+        table, batch_idx = None, (torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
+                                  if layout == "batch_idx" else None)
+    interleaved = bool(rotary and rotary[1])
+    results = []
+    for use_kernel in (True, False):
+        k_cache, v_cache = (c.clone() for c in caches)
+        args = (q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, table, interleaved, q_steps)
+        q_rot = _ops.append_kv(*args) if use_kernel else kvcache._append_and_rotate(*args, cache_len)
+        results.append((q_rot, k_cache, v_cache))
+    for kernel_t, ops_t in zip(*results):
+        assert torch.equal(kernel_t, ops_t)
+    assert not torch.equal(results[0][1], caches[0]) or s_new == 0

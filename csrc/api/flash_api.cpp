@@ -330,6 +330,84 @@ void combine(at::Tensor const& out_partial_in, at::Tensor const& lse_partial, at
     run("combine", tier, kernel_head_dim, out, p, hints);
 }
 
+// flash_attn_with_kvcache's append of k_new / v_new (b, s_new, hk, d) into the caches in place (AppendParams), with
+// the rotary embedding (cos, sin: (seqlen_ro, rotary_dim / 2)) of the new keys and of q, whose rotated copy it returns
+// (q itself without cos). kvcache.py validated the arguments; this checks what memory safety needs.
+at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor const& v_cache,
+                     std::optional<at::Tensor> const& k_new, std::optional<at::Tensor> const& v_new,
+                     std::optional<at::Tensor> const& cos, std::optional<at::Tensor> const& sin,
+                     at::Tensor const& cache_seqlens, std::optional<at::Tensor> const& cache_batch_idx,
+                     std::optional<at::Tensor> const& block_table, bool interleaved, bool q_steps,
+                     int64_t kernel_head_dim, int64_t tier) {
+    c10::cuda::CUDAGuard guard(q.device());
+    auto same = [&](at::Tensor const& t) { return t.is_cuda() && t.device() == q.device(); };
+    auto rows_of = [&](at::Tensor const& t) { return t.dim() == 4 && t.stride(3) == 1 && same(t); };
+    TORCH_CHECK(rows_of(q) && rows_of(k_cache) && rows_of(v_cache) && k_cache.sizes() == v_cache.sizes() &&
+                    k_cache.size(3) == q.size(3) && k_cache.scalar_type() == q.scalar_type() &&
+                    v_cache.scalar_type() == q.scalar_type() && q.size(2) % k_cache.size(2) == 0,
+                "flash_attention: append_kv takes q and the caches as 4-D CUDA tensors of one dtype, head dim and "
+                "device, their last dims contiguous");
+    int64_t const b = q.size(0);
+    auto int32_vector = [&](at::Tensor const& t) {
+        return same(t) && t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) == b && t.stride(0) == 1;
+    };
+    TORCH_CHECK(int32_vector(cache_seqlens) && (!cache_batch_idx || int32_vector(*cache_batch_idx)),
+                "flash_attention: cache_seqlens and cache_batch_idx must be contiguous int32 (b,) on q's device");
+    flash::AppendParams p{};
+    p.b = int(b), p.sq = int(q.size(1)), p.h = int(q.size(2)), p.d = int(q.size(3));
+    p.hk = int(k_cache.size(2));
+    p.cache_entries = int(k_cache.size(0));
+    p.cache_len = int(k_cache.size(1));
+    if (block_table) {
+        auto const& t = *block_table;
+        TORCH_CHECK(same(t) && t.scalar_type() == at::kInt && t.dim() == 2 && t.size(0) == b && t.stride(1) == 1,
+                    "flash_attention: block_table must be int32 (b, max_blocks) on q's device, rows contiguous");
+        p.block_table = t.data_ptr<int>();
+        p.block_table_stride = t.stride(0);
+        p.page_size = int(k_cache.size(1));
+        p.cache_len = int(t.size(1) * k_cache.size(1));
+    }
+    TORCH_CHECK(p.cache_len > 0 && p.cache_entries > 0, "flash_attention: the caches must hold a row");
+    p.cache_seqlens = cache_seqlens.data_ptr<int>();
+    p.cache_batch_idx = cache_batch_idx ? cache_batch_idx->data_ptr<int>() : nullptr;
+    p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
+    p.kc_batch_stride = k_cache.stride(0), p.kc_row_stride = k_cache.stride(1), p.kc_head_stride = k_cache.stride(2);
+    p.vc_batch_stride = v_cache.stride(0), p.vc_row_stride = v_cache.stride(1), p.vc_head_stride = v_cache.stride(2);
+    TORCH_CHECK(k_new.has_value() == v_new.has_value(), "flash_attention: k_new and v_new go together");
+    if (k_new) {
+        TORCH_CHECK(rows_of(*k_new) && rows_of(*v_new) && k_new->sizes() == v_new->sizes() && k_new->size(0) == b &&
+                        k_new->size(2) == p.hk && k_new->size(3) == p.d &&
+                        k_new->scalar_type() == q.scalar_type() && v_new->scalar_type() == q.scalar_type(),
+                    "flash_attention: k_new and v_new must be (b, s_new, hk, d) in q's dtype, last dims contiguous");
+        p.k_new = k_new->data_ptr(), p.v_new = v_new->data_ptr();
+        p.s_new = int(k_new->size(1));
+        p.kn_batch_stride = k_new->stride(0), p.kn_row_stride = k_new->stride(1), p.kn_head_stride = k_new->stride(2);
+        p.vn_batch_stride = v_new->stride(0), p.vn_row_stride = v_new->stride(1), p.vn_head_stride = v_new->stride(2);
+    }
+    TORCH_CHECK(cos.has_value() == sin.has_value(), "flash_attention: cos and sin go together");
+    at::Tensor q_rot = q;
+    if (cos) {
+        TORCH_CHECK(same(*cos) && cos->dim() == 2 && cos->size(0) > 0 && 2 * cos->size(1) <= p.d &&
+                        cos->stride(1) == 1 && sin->sizes() == cos->sizes() && sin->strides() == cos->strides() &&
+                        same(*sin) && cos->scalar_type() == q.scalar_type() && sin->scalar_type() == q.scalar_type(),
+                    "flash_attention: cos and sin must be (seqlen_ro, rotary_dim / 2) in q's dtype, rows contiguous, "
+                    "with rotary_dim <= head dim");
+        q_rot = at::empty(q.sizes(), q.options());
+        p.cos = cos->data_ptr(), p.sin = sin->data_ptr();
+        p.cos_row_stride = cos->stride(0);
+        p.rotary_dim = int(2 * cos->size(1));
+        p.seqlen_ro = int(cos->size(0));
+        p.q = q.data_ptr(), p.q_rot = q_rot.data_ptr();
+        p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
+        p.qr_batch_stride = q_rot.stride(0), p.qr_row_stride = q_rot.stride(1), p.qr_head_stride = q_rot.stride(2);
+    }
+    p.interleaved = interleaved;
+    p.q_steps = q_steps;
+    flash::LaunchHints const hints{int(q.device().index()), 0, 0, 0, p.sq, 0};
+    run("append", tier, kernel_head_dim, q, p, hints);
+    return q_rot;
+}
+
 // (out, lse (b, h, sq)) of a batched forward whose keys are split into num_splits chunks per query tile (split-KV,
 // for decoding: the chunks fill the GPU where b * h query tiles cannot): the SM80-tier forward writes fp32 partials,
 // the combine kernel merges them. With block_table, k and v are page pools (num_pages, page_size, hk, d), read in
@@ -470,6 +548,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "softcap, num_splits, packed_heads, kernel_head_dim, tier");
     m.def("combine", &combine,
           "split-KV combine into out (and lse when given): out_partial, lse_partial, out, lse, kernel_head_dim, tier");
+    m.def("append_kv", &append_kv,
+          "append of the new keys and values into the caches in place, with the rotary embedding; returns q rotated: "
+          "q, k_cache, v_cache, k_new, v_new, cos, sin, cache_seqlens, cache_batch_idx, block_table, interleaved, "
+          "q_steps, kernel_head_dim, tier");
     m.def("available_kernels", &available_kernels,
           "(tier, kind, kernel head dim, dtype in, dtype out) of every compiled kernel");
 }

@@ -119,4 +119,35 @@ struct CombineParams {
     bool fp32_partials;  // out_partial in fp32 (a split forward's), else in out's dtype
 };
 
+// flash_attn_with_kvcache's in-place append of the new keys and values into the cache, with the rotary embedding of
+// the new keys and of the queries (common/kernels/append_kv.h). Sequence i's cache rows are those of entry
+// cache_batch_idx[i] (or i), or the pages of block_table row i; the new rows go at rows filled + t, filled =
+// cache_seqlens[i] clamped to [0, cache_len], each clamped to the last row. With cos (and sin) set, the first rotary_dim
+// dims are rotated: new keys at their cache row, query row r at filled (+ r when q_steps), positions clamped to the
+// table's rows; pairs (2j, 2j + 1) when interleaved, else (j, j + rotary_dim / 2); in fp32, rounded once.
+struct AppendParams {
+    void const* __restrict__ q;  // (b, sq, h, d), rotated into q_rot
+    void* __restrict__ q_rot;
+    void const* __restrict__ k_new;  // (b, s_new, hk, d), or nullptr
+    void const* __restrict__ v_new;
+    void* __restrict__ k_cache;
+    void* __restrict__ v_cache;
+    void const* __restrict__ cos;  // (seqlen_ro, rotary_dim / 2) with rows cos_row_stride apart, q's dtype; or nullptr
+    void const* __restrict__ sin;
+    int const* __restrict__ cache_seqlens;
+    int const* __restrict__ cache_batch_idx;  // or nullptr
+    int const* __restrict__ block_table;      // or nullptr
+    int64_t q_batch_stride, q_row_stride, q_head_stride;
+    int64_t qr_batch_stride, qr_row_stride, qr_head_stride;
+    int64_t kn_batch_stride, kn_row_stride, kn_head_stride;
+    int64_t vn_batch_stride, vn_row_stride, vn_head_stride;
+    int64_t kc_batch_stride, kc_row_stride, kc_head_stride;  // batch: per cache entry, or per page
+    int64_t vc_batch_stride, vc_row_stride, vc_head_stride;
+    int64_t cos_row_stride, block_table_stride;
+    int b, sq, s_new, h, hk, d;
+    int cache_len, cache_entries, page_size;  // cache_entries: entries, or pages, of the caches
+    int rotary_dim, seqlen_ro;
+    bool interleaved, q_steps;
+};
+
 }  // namespace flash
