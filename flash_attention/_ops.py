@@ -212,6 +212,7 @@ def fwd_split(
     v: torch.Tensor,
     seqused_k: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor],
+    leftpad_k: Optional[torch.Tensor],
     softmax_scale: float,
     window_left: int,
     window_right: int,
@@ -224,17 +225,18 @@ def fwd_split(
     num_splits chunks attended to by CTAs of their own (SM80-tier kernel, fp32 partials), merged by the combine
     kernel. With block_table (int32 (b, max_blocks)), k/v are page pools (num_pages, page_size, hk, d) read in place:
     key j of sequence i is row j % page_size of page block_table[i, j // page_size]. packed_heads > 1: q is
-    GQA-packed (interface.pack_gqa), row r masked as query r // packed_heads. Returns (out, lse (b, h, sq))."""
-    return split_forward_impl(q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, softcap,
-                              num_splits, packed_heads)
+    GQA-packed (interface.pack_gqa), row r masked as query r // packed_heads. leftpad_k (int32 (b,)): sequence i's keys
+    are its rows [leftpad_k[i], seqused_k[i]). Returns (out, lse (b, h, sq))."""
+    return split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right,
+                              softcap, num_splits, packed_heads)
 
 
-def split_forward_impl(q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, softcap,
+def split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right, softcap,
                        num_splits, packed_heads):
     ext = _dispatch.load_extension()
     tier_id, kernel_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, SPLIT_TIER)
-    return ext.fwd_split(q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, softcap,
-                         num_splits, packed_heads, kernel_dim, tier_id)
+    return ext.fwd_split(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right,
+                         softcap, num_splits, packed_heads, kernel_dim, tier_id)
 
 
 def split_attention(q, k, v, *args) -> Tuple[torch.Tensor, torch.Tensor]:

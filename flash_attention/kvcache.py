@@ -5,16 +5,15 @@ one kernel (_ops.append_kv; under torch.compile, PyTorch ops with the same arith
 then runs over each sequence's used rows (cache_seqlens plus the new tokens, from cache_leftpad on). Nothing reads a
 tensor's values on the host, so a decode step can be captured in a CUDA graph and traced by torch.compile.
 
-Without cache_leftpad and ALiBi, and unless prefill-shaped (more than 64 query rows) on a GPU with a faster tier of
-its own (Hopper), the call is native (_ops.split_attention): SM80-tier CTAs read the cache in place (a
-paged one through its block table), each sequence's keys cut into num_splits chunks (0: enough to fill the GPU;
-each chunk masked as the whole call is) whose fp32 partials the combine kernel merges, and the query heads of a kv
-head become rows of one sequence (GQA packing, each packed row masked as its query row), so each K/V block is read
-once per kv head. Otherwise, and under torch.compile, it is composed: pages or the entries that cache_batch_idx
+Without ALiBi (and cache_batch_idx on a paged cache), and unless prefill-shaped (more than 64 query rows) on a GPU
+with a faster tier of its own (Hopper), the call is native (_ops.split_attention): SM80-tier CTAs read the cache in
+place (a paged one through its block table; from cache_leftpad on), each sequence's keys cut into num_splits chunks
+(0: enough to fill the GPU; each chunk masked as the whole call is) whose fp32 partials the combine kernel merges, and
+the query heads of a kv head become rows of one sequence (GQA packing, each packed row masked as its query row), so
+each K/V block is read once per kv head. Otherwise, and under torch.compile, it is composed: pages or the entries that cache_batch_idx
 selects are gathered into a contiguous copy, and where exact (one query row, or no mask, and no window or ALiBi) the
 query heads are packed and the chunks attended to as sequences of their own in one varlen call, whose outputs
-flash_attn_combine merges by their lse (rounded to the input dtype before the merge). Not yet native: leftpad and
-ALiBi.
+flash_attn_combine merges by their lse (rounded to the input dtype before the merge). Not yet native: ALiBi.
 """
 
 import functools
@@ -245,7 +244,7 @@ def flash_attn_with_kvcache(
     # Prefill-shaped calls (more than 64 query rows per head) on a GPU with a faster tier than the split kernels'
     # (Hopper) are composed, so that the varlen call runs on that tier: its 128-row tiles fill from 64 rows on, and
     # its speed outweighs the gather of a paged cache.
-    native = alibi_slopes is None and cache_leftpad is None and (block_table is None or cache_batch_idx is None) \
+    native = alibi_slopes is None and (block_table is None or cache_batch_idx is None) \
         and d % 8 == 0 and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier) \
         and (sq <= 64 or _ops.split_tier_is_default(q, tier))
     pack = group > 1 and (exact or native)
@@ -267,7 +266,8 @@ def flash_attn_with_kvcache(
             keys, values, table = (_cache_rows(k_cache, None, cache_batch_idx, b),
                                    _cache_rows(v_cache, None, cache_batch_idx, b), None)
         splits = _splits(num_splits, tiles, cache_len, q.device)
-        out, lse = _ops.split_attention(q, keys, values, used, table, scale, *window, cap, splits,
+        leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
+        out, lse = _ops.split_attention(q, keys, values, used, table, leftpad, scale, *window, cap, splits,
                                         group if pack else 1)
         if pack:
             out, lse = interface.unpack_gqa(out, lse, sq)

@@ -152,6 +152,12 @@ CUDA_CASES = [
     ((200, 0, True, (64, 0), None, False, True, None), dict(d=72, cache_len=700, alibi=True)),
     ((1, 1, True, (-1, -1), (128, False), True, False, 16), dict(d=128, b=2, h=16, hk=2, cache_len=16384)),
     ((3, 3, False, (-1, -1), None, False, False, 3), dict(d=128, h=8, hk=8, cache_len=99)),
+    # Native calls GQA-packed under a mask: a sliding window over pages of 64, MQA against a 128k cache (64 splits of
+    # 2k keys), an odd head dim in a wider kernel with softcap over pages of 3, a rotary head dim of 40.
+    ((5, 2, True, (16, 0), (64, False), False, False, 64), dict(d=128, b=2, h=16, hk=4, cache_len=4096)),
+    ((3, 0, True, (-1, -1), None, False, False, None), dict(d=64, b=1, h=16, hk=1, cache_len=131072)),
+    ((2, 1, True, (-1, -1), None, False, False, 3), dict(d=72, h=6, hk=2, cache_len=99, softcap=20.0)),
+    ((1, 1, False, (-1, -1), (40, True), False, False, None), dict(d=40, h=8, hk=2, cache_len=777)),
 ]
 
 
@@ -388,13 +394,14 @@ def test_native_split_cuda(d, splits, causal, page_size):
         pytest.skip("no SM80-tier forward and combine kernels for this head dim")
     used = torch.tensor([0, 1, 517, 1023], dtype=torch.int32, device="cuda")
     args = (d ** -0.5, -1, 0 if causal else -1, 0.0, splits)
-    out, lse = _ops.split_attention(q, k, v, used, None, *args, 1)
+    out, lse = _ops.split_attention(q, k, v, used, None, None, *args, 1)
     if page_size is not None:
         k_pool, v_pool, table = pages_of(k, v, page_size)
-        paged_out, paged_lse = _ops.split_attention(q, k_pool, v_pool, used, table, *args, 1)
+        paged_out, paged_lse = _ops.split_attention(q, k_pool, v_pool, used, table, None, *args, 1)
         assert torch.equal(paged_out, out) and torch.equal(paged_lse, lse)
         return
-    packed_out, packed_lse = _ops.split_attention(interface.pack_gqa(q, hk), k, v, used, None, *args, h // hk)
+    packed_out, packed_lse = _ops.split_attention(interface.pack_gqa(q, hk), k, v, used, None, None, *args,
+                                                  h // hk)
     for out, lse in ((out, lse), interface.unpack_gqa(packed_out, packed_lse, sq)):
         assert out.shape == q.shape and lse.shape == (b, h, sq) and not out.isnan().any()
         assert torch.equal(out[0], torch.zeros_like(out[0])) and lse[0].isneginf().all()

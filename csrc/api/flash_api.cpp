@@ -412,12 +412,14 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
 // for decoding: the chunks fill the GPU where b * h query tiles cannot): the SM80-tier forward writes fp32 partials,
 // the combine kernel merges them. With block_table, k and v are page pools (num_pages, page_size, hk, d), read in
 // place. Each chunk is masked as the whole call is, so any mask splits exactly. packed_heads > 1: q is GQA-packed
-// (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query. seqused_q and ALiBi are
-// not taken (flash_attn_with_kvcache, the caller, passes neither).
+// (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query. leftpad_k (int32 (b,)):
+// sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not taken
+// (flash_attn_with_kvcache, the caller, passes neither).
 std::tuple<at::Tensor, at::Tensor> fwd_split(
     at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in, std::optional<at::Tensor> const& seqused_k,
-    std::optional<at::Tensor> const& block_table, double softmax_scale, int64_t window_left, int64_t window_right,
-    double softcap, int64_t num_splits, int64_t packed_heads, int64_t kernel_head_dim, int64_t tier) {
+    std::optional<at::Tensor> const& block_table, std::optional<at::Tensor> const& leftpad_k, double softmax_scale,
+    int64_t window_left, int64_t window_right, double softcap, int64_t num_splits, int64_t packed_heads,
+    int64_t kernel_head_dim, int64_t tier) {
     c10::cuda::CUDAGuard guard(q_in.device());
     TORCH_CHECK(num_splits >= 1 && num_splits <= 256, "flash_attention: num_splits must be in [1, 256]");
     TORCH_CHECK(packed_heads >= 1 && q_in.dim() == 4 && q_in.size(1) % packed_heads == 0,
@@ -439,6 +441,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
         p.block_table_stride = t.stride(0);
         p.page_size = int(k.size(1));
         p.num_pages = int(k.size(0));
+    }
+    if (leftpad_k.has_value()) {
+        auto const& t = *leftpad_k;
+        TORCH_CHECK(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == 1 &&
+                        t.size(0) == q.size(0) && t.stride(0) == 1,
+                    "flash_attention: leftpad_k must be contiguous int32 (b,) on q's device");
+        p.leftpad_k = t.data_ptr<int>();
     }
     set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, none, seqs, paged_rows);
     auto const fp32 = q.options().dtype(at::kFloat);
@@ -544,8 +553,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "[out, lse] of fwd's arguments up to deterministic, then the forward's and the backward's kernel head dim "
           "and tier; differentiable, its backward a C++ autograd node running bwd");
     m.def("fwd_split", &fwd_split,
-          "split-KV forward (out, lse): q, k, v, seqused_k, block_table, softmax_scale, window_left, window_right, "
-          "softcap, num_splits, packed_heads, kernel_head_dim, tier");
+          "split-KV forward (out, lse): q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, "
+          "window_right, softcap, num_splits, packed_heads, kernel_head_dim, tier");
     m.def("combine", &combine,
           "split-KV combine into out (and lse when given): out_partial, lse_partial, out, lse, kernel_head_dim, tier");
     m.def("append_kv", &append_kv,

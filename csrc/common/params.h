@@ -69,6 +69,10 @@ struct FwdParams : AttnParams {
     int64_t block_table_stride;
     int page_size, num_pages;
 
+    // Per sequence, key rows before leftpad_k[b] are not attended to (flash_attn_with_kvcache's cache_leftpad; SM80-tier
+    // kernels, batched calls; nullptr: none): the keys are rows [leftpad_k[b], the sequence's end), clamped.
+    int const* __restrict__ leftpad_k;
+
     // GQA-packed queries (SM80-tier decode kernels; 1: none): q holds, per kv head, packed_heads query heads per query
     // position, row r being query r / packed_heads, so masks and key ranges follow r / packed_heads.
     int packed_heads = 1;

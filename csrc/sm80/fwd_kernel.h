@@ -29,10 +29,20 @@ namespace flash::sm80 {
 
 using namespace cute;
 
+// The sequence's keys without its first leftpad_k rows (flash_attn_with_kvcache's cache_leftpad), clamped to them.
+__device__ __forceinline__ SeqlenInfo with_leftpad(FwdParams const& params, SeqlenInfo seq) {
+    if (params.leftpad_k != nullptr) {
+        int const pad = min(max(params.leftpad_k[seq.batch], 0), seq.k.len);
+        seq.k.start += pad;
+        seq.k.len -= pad;
+    }
+    return seq;
+}
+
 // kPaged: K and V come from a paged cache (params.block_table), row by row; a kernel of its own, since the row
 // addressing next to the dense loads made ptxas spill three times as much in the dense loop.
 // kPackedRows: the queries may be GQA-packed (params.packed_heads > 1), their masks and key ranges those of query
-// row / packed_heads (the decode kernels; the others skip the divisions).
+// row / packed_heads, and the keys left-padded (params.leftpad_k): the decode kernels; the others skip this work.
 template <class Traits, bool kPaged, bool kPackedRows>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_constant__ FwdParams const params) {
     using Element = typename Traits::Element;
@@ -54,7 +64,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     };
     TileCoord const blk = decode(blockIdx.x);
     if (!blk.valid) { return; }
-    SeqlenInfo const seq(params, blk.batch);
+    SeqlenInfo const seq =
+        kPackedRows ? with_leftpad(params, SeqlenInfo(params, blk.batch)) : SeqlenInfo(params, blk.batch);
     int const head_kv = blk.head / params.h_per_hk;
     int const sq = seq.q.len, sk = seq.k.len, d = params.d;
     int const m_block = blk.block;
@@ -127,8 +138,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 int64_t const row_stride = kV ? params.v_row_stride : params.k_row_stride;
                 int const* table = params.block_table + blk.batch * params.block_table_stride;
                 auto row_ptr = [&](int row) -> Element const* {
-                    int const key = n_block * kBlockN + row;
-                    if (key >= sk) { return nullptr; }
+                    if (n_block * kBlockN + row >= sk) { return nullptr; }
+                    int const key = seq.k.start + n_block * kBlockN + row;  // the table's rows start at leftpad
                     int const slot = key / params.page_size;
                     int const page = min(max(table[slot], 0), params.num_pages - 1);
                     return pool + page * page_stride + (key - slot * params.page_size) * row_stride;

@@ -58,7 +58,8 @@ cudaError_t launch_by_tile_length(FwdParams const& params, LaunchHints const& hi
 // Tile shapes, measured on an H200 (benchmark/RESULTS.md): 32 query rows per warp halve the shared-memory reads per
 // MMA, and narrow key blocks with three stages beat wider ones with two, which spill. Up to d = 192 the largest tile
 // fits the 99 KB of sm86/89/120.
-// Decode-shaped calls (split-KV partials, a paged cache, query tiles of at most 64 rows) take one tile per head dim:
+// Decode-shaped calls (split-KV partials, a paged cache, query tiles of at most 64 rows; and the GQA-packed or
+// left-padded calls, which only these kernels take) take one tile per head dim:
 // few query rows (GQA-packed) over many keys, so 64-row tiles (16 rows per warp, the least wasted MMA work) and wide
 // key blocks, whose loads put the most bytes in flight per CTA (FlashAttention-2's split-KV tile; H100, RESULTS.md).
 template <int kHeadDim, typename Element>
@@ -73,7 +74,8 @@ cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cu
     if (params.block_table != nullptr) {
         return launch_fwd<DecodeTraits<kHeadDim, Element>, true, true>(params, hints, stream);
     }
-    if (params.o_partial != nullptr || params.packed_heads > 1 || hints.max_seqlen_q <= 64) {
+    if (params.o_partial != nullptr || params.packed_heads > 1 || params.leftpad_k != nullptr ||
+        hints.max_seqlen_q <= 64) {
         return launch_fwd<DecodeTraits<kHeadDim, Element>, false, true>(params, hints, stream);
     }
     if constexpr (kHeadDim == 32) {

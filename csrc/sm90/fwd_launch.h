@@ -98,8 +98,10 @@ cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cu
 
 template <int kHeadDim>
 char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
-    if (params.o_partial != nullptr || params.block_table != nullptr || params.packed_heads > 1) {
-        return "split-KV partials, paged caches and GQA-packed queries are taken by the SM80 tier's forward";
+    if (params.o_partial != nullptr || params.block_table != nullptr || params.packed_heads > 1 ||
+        params.leftpad_k != nullptr) {
+        return "split-KV partials, paged caches, GQA-packed queries and left padding are taken by the SM80 tier's "
+               "forward";
     }
     return unsupported_head_dim<kHeadDim, FwdParams>(params, hints);
 }
