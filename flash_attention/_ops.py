@@ -9,6 +9,7 @@ machinery around a Python op (its overhead is several times the rest of the host
 directly, and one that does gets the binding's C++ autograd node (`_differentiable`), whose backward runs no Python.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -205,6 +206,25 @@ def append_kv(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_id
     return ext.append_kv(q, k_cache, v_cache, k, v, cos, sin, *contiguous, interleaved, q_steps, kernel_dim, tier_id)
 
 
+def split_count(num_splits: int, tiles: int, keys: int, device: torch.device) -> int:
+    """Key chunks per sequence for fwd_split: num_splits when given (at most one per key); with 0, as many as keep
+    query tiles x chunks within one wave of two CTAs per SM (a decode tile's K/V loads need two to keep HBM busy; a
+    second, partial wave costs more than fewer chunks), chunks of at least 512 keys, at most 64 (H100, RESULTS.md)."""
+    if num_splits > 0:
+        return max(1, min(num_splits, keys, 256))
+    return max(1, min(2 * _sm_count(device) // max(tiles, 1), keys // 512, 64))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 1
+
+
 @torch.library.custom_op("flash_attention::fwd_split", mutates_args=())
 def fwd_split(
     q: torch.Tensor,
@@ -288,10 +308,14 @@ def _differentiable(q, k, v, args) -> Tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
+def needs_grad(q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def attention(q, k, v, *args) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of fwd(q, k, v, *args), differentiable: through the op when traced, else eagerly."""
     if not _eager(q, k, v):
         return fwd(q, k, v, *args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if needs_grad(q, k, v):
         return _differentiable(q, k, v, args)
     return forward_impl(q, k, v, *args)

@@ -16,7 +16,6 @@ query heads are packed and the chunks attended to as sequences of their own in o
 flash_attn_combine merges by their lse (rounded to the input dtype before the merge). Not yet native: ALiBi.
 """
 
-import functools
 from typing import Optional
 
 import torch
@@ -265,14 +264,14 @@ def flash_attn_with_kvcache(
         else:
             keys, values, table = (_cache_rows(k_cache, None, cache_batch_idx, b),
                                    _cache_rows(v_cache, None, cache_batch_idx, b), None)
-        splits = _splits(num_splits, tiles, cache_len, q.device)
+        splits = _ops.split_count(num_splits, tiles, cache_len, q.device)
         leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
         out, lse = _ops.split_attention(q, keys, values, used, table, leftpad, scale, *window, cap, splits,
                                         group if pack else 1)
         if pack:
             out, lse = interface.unpack_gqa(out, lse, sq)
         return (out, lse) if return_softmax_lse else out
-    splits = _splits(num_splits, tiles, cache_len, q.device) if exact else 1
+    splits = _ops.split_count(num_splits, tiles, cache_len, q.device) if exact else 1
     keys = _cache_rows(k_cache, block_table, cache_batch_idx, b)
     values = _cache_rows(v_cache, block_table, cache_batch_idx, b)
     chunk = -(-cache_len // splits)
@@ -351,22 +350,3 @@ class _SplitLayout:
                 cls._cache.clear()
             layout = cls._cache[key] = cls(device, b, splits, chunk, cache_len, rows)
         return layout
-
-
-def _splits(num_splits: int, tiles: int, cache_len: int, device: torch.device) -> int:
-    """Key chunks per sequence: num_splits when given (at most one per key); with 0, as many as keep query tiles x
-    chunks within one wave of two CTAs per SM (a decode tile's K/V loads need two to keep HBM busy; a second, partial
-    wave costs more than fewer chunks), chunks of at least 512 keys, at most 64 of them (H100, RESULTS.md)."""
-    if num_splits > 0:
-        return max(1, min(num_splits, cache_len, 256))
-    return max(1, min(2 * _sm_count(device) // max(tiles, 1), cache_len // 512, 64))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 1

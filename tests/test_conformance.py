@@ -251,3 +251,28 @@ def test_no_gpu_says_so_in_one_line(suite, monkeypatch):
     assert result.ret == pytest.ExitCode.OK
     result.stdout.fnmatch_lines(["no CUDA GPU: the 1 tests marked cuda were skipped"])
     assert "no CUDA GPU" not in suite.runpytest_inprocess("-q", "-m", "not cuda").stdout.str()
+
+
+@pytest.mark.parametrize("sq, grad, split", [(1, False, True), (64, False, True), (65, False, False),
+                                             (1, True, False)])
+def test_decode_shaped_calls_take_the_split_kernels(stub_kernel, monkeypatch, sq, grad, split):
+    """flash_attn_func's calls of at most 64 query rows without gradient (inference: decode steps) run on the native
+    split kernels, GQA-packed under their mask; longer or differentiable ones on the forward kernels."""
+    from flash_attention import _ops
+    split_calls = []
+
+    def fake_split(q, k, v, seqused_k, block_table, leftpad_k, scale, left, right, cap, splits, packed_heads):
+        split_calls.append(dict(shape=q.shape, window=(left, right), packed_heads=packed_heads, splits=splits))
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(_ops, "split_kernels_available", lambda q, tier: True)
+    monkeypatch.setattr(_ops, "split_attention", fake_split)
+    q = torch.randn(2, sq, 8, 64, dtype=torch.bfloat16, requires_grad=grad)
+    k, v = (torch.randn(2, 700, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    out = flash_attn_func(q, k, v, causal=True)
+    assert out.shape == q.shape
+    assert (len(split_calls), len(stub_kernel)) == ((1, 0) if split else (0, 1))
+    if split:
+        assert split_calls[0]["shape"] == (2, sq * 4, 2, 64) and split_calls[0]["packed_heads"] == 4
+        # One query row sees every key under the bottom-right causal mask: no bound is left.
+        assert split_calls[0]["window"] == ((-1, -1) if sq == 1 else (-1, 0)) and split_calls[0]["splits"] >= 1
