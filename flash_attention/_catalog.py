@@ -35,6 +35,8 @@ class Kind:
     params: str  # C++ params type of its launch (csrc/common/params.h)
     header: str  # launch header of the tier that defines its run function, relative to csrc/
     head_dims: Tuple[int, ...] = HEAD_DIMS
+    # One kernel, compiled at the largest of head_dims, serves every head dim up to it (it loops over the dims).
+    any_head_dim: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +66,7 @@ TIERS = {
     "sm80": Tier("sm80", 80, (80, 86, 87, 89, 90, 120, 121), ((8, 0), (99, 99)),
                  {"fwd": Kind("FwdParams", "sm80/fwd_launch.h"), "bwd": Kind("BwdParams", "sm80/bwd_launch.h"),
                   "combine": Kind("CombineParams", "sm80/combine_launch.h"),
-                  "append": Kind("AppendParams", "sm80/append_launch.h", (256,))},
+                  "append": Kind("AppendParams", "sm80/append_launch.h", (MAX_HEAD_DIM,), any_head_dim=True)},
                  ("sm80",)),
     # Its d 256 key blocks of 80 columns need CuTe's wgmma shapes with N not a power of two.
     "sm90": Tier("sm90", 90, (90,), ((9, 0), (9, 0)),
@@ -77,11 +79,12 @@ KINDS = tuple(dict.fromkeys(kind for tier in TIERS.values() for kind in tier.kin
 MIN_CAPABILITY = min(tier.capabilities[0] for tier in TIERS.values())
 
 
-def kernel_head_dim(head_dim: int) -> int:
-    """The compiled head dim that serves `head_dim`: the smallest one that is at least as large."""
+def kernel_head_dim(head_dim: int, kind: Optional[Kind] = None) -> int:
+    """The compiled head dim that serves `head_dim`: the smallest one that is at least as large (the kind's one for a
+    kind that takes any head dim)."""
     for kernel_dim in HEAD_DIMS:
         if head_dim <= kernel_dim:
-            return kernel_dim
+            return kind.head_dims[-1] if kind is not None and kind.any_head_dim else kernel_dim
     raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
 
 

@@ -95,7 +95,8 @@ def select_tier(capability: Sequence[int], override: Optional[str] = None) -> st
 
 def kernel_key(tier: str, kind: str, head_dim: int, dtype_name: str) -> KernelKey:
     """The registry key of the kernel that serves head_dim; the output dtype is the input's (all pairs today)."""
-    return (_catalog.TIERS[tier].id, kind, _catalog.kernel_head_dim(head_dim), dtype_name, dtype_name)
+    spec = _catalog.TIERS[tier]
+    return (spec.id, kind, _catalog.kernel_head_dim(head_dim, spec.kinds.get(kind)), dtype_name, dtype_name)
 
 
 def routed_tier(available, tier: str, head_dim: int, dtype_name: str, kind: str, requested: bool) -> str:

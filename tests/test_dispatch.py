@@ -65,6 +65,14 @@ def test_kernel_head_dim(d, expected):
     assert _catalog.kernel_head_dim(d) == expected
 
 
+@pytest.mark.parametrize("d", [8, 64, 72, 128, 256])
+def test_any_head_dim_kind_resolves_to_its_one_kernel(d):
+    """The append kernel is compiled once, at head dim 256, and serves every head dim; the other kinds keep the
+    ladder (a lookup at the ladder's dim would find no append kernel, and the kernel path would never run)."""
+    assert _dispatch.kernel_key("sm80", "append", d, "bf16")[2] == 256
+    assert _dispatch.kernel_key("sm80", "fwd", d, "bf16")[2] == _catalog.kernel_head_dim(d)
+
+
 def test_kernel_head_dim_too_large():
     with pytest.raises(ValueError, match="head dim must be at most 256, got 264"):
         _catalog.kernel_head_dim(264)
