@@ -482,3 +482,32 @@ def test_append_kernel_matches_ops_cuda(d, rotary, layout, sq, s_new, q_steps):
     for kernel_t, ops_t in zip(*results):
         assert torch.equal(kernel_t, ops_t)
     assert not torch.equal(results[0][1], caches[0]) or s_new == 0
+
+
+@pytest.mark.parametrize("layout", ["plain", "page4"])
+def test_append_past_the_cache_end_keeps_the_last_token(layout):
+    """New rows that would run past the cache's end all land on its last row: the last new token is the one written
+    there (the kernel writes only it; the ops write it from every duplicate), rows before it as usual."""
+    from flash_attention import kvcache
+    b, hk, d, cache_len, s_new = 2, 2, 8, 12, 5
+    k, v = (torch.randn(b, s_new, hk, d, dtype=bf16) for _ in range(2))
+    seqlens = torch.tensor([9, 12], dtype=torch.int32)  # 3 rows left, and none
+    q = torch.randn(b, 1, 4, d, dtype=bf16)
+    if layout == "page4":
+        table = torch.arange(b * cache_len // 4, dtype=torch.int32).view(b, -1).flip(1).contiguous()
+        caches = [torch.zeros(b * cache_len // 4, 4, hk, d, dtype=bf16) for _ in range(2)]
+    else:
+        table = None
+        caches = [torch.zeros(b, cache_len, hk, d, dtype=bf16) for _ in range(2)]
+    kvcache._append_and_rotate(q, *caches, k, v, None, None, seqlens, None, table, False, True, cache_len)
+
+    def row(cache, i, r):
+        if table is None:
+            return cache[i, r]
+        return cache[table[i, r // 4], r % 4]
+
+    for i, filled in enumerate((9, 12)):
+        for r in range(filled, cache_len - 1):
+            assert torch.equal(row(caches[0], i, r), k[i, r - filled])
+        assert torch.equal(row(caches[0], i, cache_len - 1), k[i, s_new - 1])
+        assert torch.equal(row(caches[1], i, cache_len - 1), v[i, s_new - 1])
