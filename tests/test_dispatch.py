@@ -55,6 +55,17 @@ def test_build_reads_the_catalog():
     assert "flash::sm90::fwd_descriptor<128, cutlass::bfloat16_t, cutlass::bfloat16_t>()" in text
 
 
+def test_compile_check_covers_every_tier_and_kind():
+    """CI compiles one file of each tier and kind, those compiled at one head dim (append) included."""
+    sys.path.insert(0, str(ROOT / "csrc"))
+    try:
+        import compile_check
+    finally:
+        sys.path.pop(0)
+    checked = [(s.tier, s.kind) for s in compile_check.sources_to_check()]
+    assert sorted(checked) == sorted((name, kind) for name, tier in _catalog.TIERS.items() for kind in tier.kinds)
+
+
 @pytest.mark.parametrize(
     "d, expected",
     [(8, 32), (32, 32), (40, 64), (64, 64), (72, 96), (96, 96), (104, 128), (128, 128), (136, 192), (160, 192),
