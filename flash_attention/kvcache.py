@@ -8,12 +8,13 @@ tensor's values on the host, so a decode step can be captured in a CUDA graph an
 Without ALiBi (and cache_batch_idx on a paged cache), and unless prefill-shaped (more than 64 query rows) on a GPU
 with a faster tier of its own (Hopper), the call is native (_ops.split_attention): SM80-tier CTAs read the cache in
 place (a paged one through its block table; from cache_leftpad on), each sequence's keys cut into num_splits chunks
-(0: enough to fill the GPU; each chunk masked as the whole call is) whose fp32 partials the combine kernel merges, and
-the query heads of a kv head become rows of one sequence (GQA packing, each packed row masked as its query row), so
-each K/V block is read once per kv head. Otherwise, and under torch.compile, it is composed: pages or the entries that cache_batch_idx
-selects are gathered into a contiguous copy, and where exact (one query row, or no mask, and no window or ALiBi) the
-query heads are packed and the chunks attended to as sequences of their own in one varlen call, whose outputs
-flash_attn_combine merges by their lse (rounded to the input dtype before the merge). Not yet native: ALiBi.
+(0: enough to fill the GPU; each chunk masked as the whole call is) whose fp32 partials the combine kernel merges,
+and the query heads of a kv head become rows of one sequence (GQA packing, each packed row masked as its query row),
+so each K/V block is read once per kv head. Otherwise, and under torch.compile, it is composed: pages or the entries
+that cache_batch_idx selects are gathered into a contiguous copy, and where exact (one query row, or no mask, and no
+window or ALiBi) the query heads are packed and the chunks attended to as sequences of their own in one varlen call,
+whose outputs flash_attn_combine merges by their lse (rounded to the input dtype before the merge). Not yet native:
+ALiBi.
 """
 
 from typing import Optional

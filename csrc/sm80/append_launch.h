@@ -17,7 +17,8 @@ namespace flash::sm80 {
 
 template <int kHeadDim>
 char const* unsupported_append(AppendParams const& params, LaunchHints const&) {
-    return params.d <= kHeadDim && params.d <= 256 ? nullptr : "head dim above the kernel's (a warp's 8 dims per lane)";
+    static_assert(kHeadDim <= 32 * 8, "a warp copies 8 dims per lane");
+    return params.d <= kHeadDim ? nullptr : "head dim above the kernel's";
 }
 
 template <typename Element>
