@@ -441,6 +441,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
         p.block_table_stride = t.stride(0);
         p.page_size = int(k.size(1));
         p.num_pages = int(k.size(0));
+        if ((p.page_size & (p.page_size - 1)) == 0) { p.page_shift = __builtin_ctz(unsigned(p.page_size)); }
     }
     if (leftpad_k.has_value()) {
         auto const& t = *leftpad_k;

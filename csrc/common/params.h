@@ -68,6 +68,7 @@ struct FwdParams : AttnParams {
     int const* __restrict__ block_table;
     int64_t block_table_stride;
     int page_size, num_pages;
+    int page_shift = -1;  // log2(page_size) where it is a power of two (a shift in place of each row's division)
 
     // Per sequence, key rows before leftpad_k[b] are not attended to (flash_attn_with_kvcache's cache_leftpad; SM80-tier
     // kernels, batched calls; nullptr: none): the keys are rows [leftpad_k[b], the sequence's end), clamped.

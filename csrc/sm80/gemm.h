@@ -42,13 +42,28 @@ __device__ __forceinline__ void load_tile(TiledCopy const& tiled_copy, TensorG c
 
 // load_tile for a tile whose rows lie apart (a paged cache): row r of the tile starts at row_ptr(r), nullptr past the
 // sequence (zero-filled, from the address `valid`, which a predicated-off cp.async does not read); g_like is a
-// partition of a global tile of the same shape, for its copy layout.
-template <class TiledCopy, class TensorG, class TensorS, class TensorC, class RowPtr, typename T>
+// partition of a global tile of the same shape, for its copy layout. A row's address costs a division, a page-table
+// load and 64-bit arithmetic (~60 instructions), and the kThreadsPerRow consecutive lanes that copy a row would each
+// compute it: instead lane i of them computes rows i, i + kThreadsPerRow, ... of their rows, and each lane takes the
+// addresses it needs by warp shuffle.
+template <int kThreadsPerRow, class TiledCopy, class TensorG, class TensorS, class TensorC, class RowPtr, typename T>
 __device__ __forceinline__ void load_rows(TiledCopy const& tiled_copy, TensorG const& g_like, TensorS&& s,
                                           TensorC const& coord, RowPtr const& row_ptr, T const* valid, int cols) {
+    constexpr int kRows = decltype(size<1>(s))::value;
+    constexpr int kPerLane = (kRows + kThreadsPerRow - 1) / kThreadsPerRow;
+    static_assert(32 % kThreadsPerRow == 0, "a row's lanes within one warp");
+    int const lane = int(threadIdx.x % 32);
+    int const sub = lane % kThreadsPerRow;
+    unsigned long long mine[kPerLane];
     CUTE_UNROLL
-    for (int m = 0; m < size<1>(s); ++m) {
-        auto const* src = row_ptr(get<0>(coord(0, m, 0)));
+    for (int i = 0; i < kPerLane; ++i) {
+        int const m = sub + i * kThreadsPerRow;
+        mine[i] = m < kRows ? reinterpret_cast<unsigned long long>(row_ptr(get<0>(coord(0, m, 0)))) : 0ull;
+    }
+    CUTE_UNROLL
+    for (int m = 0; m < kRows; ++m) {
+        auto const* src = reinterpret_cast<T const*>(
+            __shfl_sync(0xffffffffu, mine[m / kThreadsPerRow], lane - sub + m % kThreadsPerRow));
         CUTE_UNROLL
         for (int k = 0; k < size<2>(s); ++k) {
             int const col = get<1>(coord(0, m, k));
