@@ -378,30 +378,34 @@ def pages_of(k, v, page_size):
 @pytest.mark.parametrize("splits", [1, 2, 5, 64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("page_size", [None, 1, 3, 16, 256])
-def test_native_split_cuda(d, splits, causal, page_size):
-    """The native split-KV forward (SM80-tier fp32 partials, merged by the combine kernel) per sequence against the
-    fp32 reference over its used keys: GQA, an empty sequence (out 0, lse -inf), one key, partial key blocks, more
-    splits than key blocks, and a causal mask over several query rows (each chunk is masked as the whole call is),
-    with the query heads GQA-packed (each packed row masked as its query row) or not. Read from pages (any size,
-    shuffled) the results are the same bits as from the contiguous cache."""
+@pytest.mark.parametrize("sq", [3, 130])
+def test_native_split_cuda(d, splits, causal, page_size, sq):
+    """The native split-KV forward (fp32 partials, merged by the combine kernel; on Hopper the SM90 forward writes
+    them for the prefill-shaped (130 rows), unpacked, contiguous calls, else the SM80 tier's decode kernel) per
+    sequence against the fp32 reference over its used keys: GQA, an empty sequence (out 0, lse -inf), one key,
+    partial key blocks, more splits than key blocks, and a causal mask over several query rows (each chunk is masked
+    as the whole call is; rows before the first key see none), with the query heads GQA-packed (each packed row
+    masked as its query row) or not. Read from pages (any size, shuffled) the results are the same bits as the SM80
+    tier's from the contiguous cache."""
     from flash_attention import _ops, interface
     require_kernel(d, bf16)
     require_kernel(d, bf16, "combine")
-    b, sq, h, hk, sk = 4, 3, 8, 2, 1023
+    b, h, hk, sk = 4, 8, 2, 1023
     q = torch.randn(b, sq, h, d, dtype=bf16, device="cuda")
     k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
     if not _ops.split_kernels_available(q, None):
         pytest.skip("no SM80-tier forward and combine kernels for this head dim")
     used = torch.tensor([0, 1, 517, 1023], dtype=torch.int32, device="cuda")
     args = (d ** -0.5, -1, 0 if causal else -1, 0.0, splits)
-    out, lse = _ops.split_attention(q, k, v, used, None, None, *args, 1)
     if page_size is not None:
+        out, lse = _ops.split_attention(q, k, v, used, None, None, *args, 1, _ops.SPLIT_TIER)
         k_pool, v_pool, table = pages_of(k, v, page_size)
-        paged_out, paged_lse = _ops.split_attention(q, k_pool, v_pool, used, table, None, *args, 1)
+        paged_out, paged_lse = _ops.split_attention(q, k_pool, v_pool, used, table, None, *args, 1, None)
         assert torch.equal(paged_out, out) and torch.equal(paged_lse, lse)
         return
+    out, lse = _ops.split_attention(q, k, v, used, None, None, *args, 1, None)
     packed_out, packed_lse = _ops.split_attention(interface.pack_gqa(q, hk), k, v, used, None, None, *args,
-                                                  h // hk)
+                                                  h // hk, None)
     for out, lse in ((out, lse), interface.unpack_gqa(packed_out, packed_lse, sq)):
         assert out.shape == q.shape and lse.shape == (b, h, sq) and not out.isnan().any()
         assert torch.equal(out[0], torch.zeros_like(out[0])) and lse[0].isneginf().all()
@@ -417,13 +421,37 @@ def test_native_split_cuda(d, splits, causal, page_size):
             assert torch.allclose(lse[i:i + 1][seen], ref_lse[seen].float(), atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("sq, split_tier_default, native", [
-    (1, False, True), (64, False, True), (65, False, False), (512, False, False), (512, True, True),
+@pytest.mark.parametrize("sq, table, leftpad, packed, tier, expected", [
+    (65, None, None, 1, None, "sm90"),          # prefill-shaped, contiguous: the SM90 forward writes the partials
+    (65, None, None, 1, "sm80", "sm80"),        # a tier override is kept
+    (64, None, None, 1, None, "sm80"),          # decode-shaped: the SM80 decode kernels were faster there
+    (512, None, None, 4, None, "sm80"),         # GQA-packed rows, masked as their queries only by the SM80 tier
+    (512, "table", None, 1, None, "sm80"),      # paged
+    (512, None, "leftpad", 1, None, "sm80"),    # left-padded
+    (512, None, None, 1, "unbuilt", "sm80"),    # no forward kernel for the call: the split tier's error path
 ])
-def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, native):
-    """Decode-shaped calls (at most 64 query rows) take the native split kernels; prefill-shaped ones do too where the
-    split kernels' tier is the GPU's own, and are composed (one varlen call, on the GPU's faster tier) where it is
-    not (Hopper)."""
+def test_split_forward_tier(monkeypatch, sq, table, leftpad, packed, tier, expected):
+    """Which tier's forward writes the split partials (the combine is always the portable SM80 tier's)."""
+    from flash_attention import _dispatch, _ops
+
+    def resolve_tier(device, requested, head_dim, dtype, kind):
+        if requested == "unbuilt":
+            raise RuntimeError("not built")
+        return requested or "sm90"
+
+    monkeypatch.setattr(_dispatch, "resolve_tier", resolve_tier)
+    q = torch.randn(2, sq, 8, 64, dtype=bf16)
+    assert _ops.split_forward_tier(q, table, leftpad, packed, tier) == expected
+
+
+@pytest.mark.parametrize("sq, split_tier_default, fwd_tier, native", [
+    (1, False, "sm80", True), (64, False, "sm80", True), (65, False, "sm80", False), (512, False, "sm80", False),
+    (512, True, "sm80", True), (512, False, "sm90", True),
+])
+def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, fwd_tier, native):
+    """Decode-shaped calls (at most 64 query rows) take the native split kernels, GQA-packed; prefill-shaped ones do
+    too where the split kernels' tier is the GPU's own, or unpacked where the GPU's faster tier writes the split
+    partials itself (Hopper, the SM90 forward), and are otherwise composed (one varlen call, on the faster tier)."""
     from flash_attention import _ops
     split_calls = []
 
@@ -433,13 +461,16 @@ def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, na
 
     monkeypatch.setattr(_ops, "split_kernels_available", lambda q, tier: True)
     monkeypatch.setattr(_ops, "split_tier_is_default", lambda q, tier: split_tier_default)
+    monkeypatch.setattr(_ops, "split_forward_tier", lambda q, table, leftpad, packed, tier: fwd_tier)
     monkeypatch.setattr(_ops, "split_attention", fake_split)
     q = torch.randn(2, sq, 8, 64, dtype=bf16)
     k_cache, v_cache = (torch.randn(2, 600, 2, 64, dtype=bf16) for _ in range(2))
     flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=600, causal=True)
     assert (len(split_calls), len(stub_kernel)) == ((1, 0) if native else (0, 1))
-    if native:
+    if native and (sq <= 64 or fwd_tier == "sm80"):
         assert split_calls[0] == (2, sq * 4, 2, 64)  # GQA-packed under the causal mask
+    elif native:
+        assert split_calls[0] == (2, sq, 8, 64)  # a prefill on the SM90 forward: not packed
 
 
 @pytest.mark.cuda

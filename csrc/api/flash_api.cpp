@@ -409,8 +409,8 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
 }
 
 // (out, lse (b, h, sq)) of a batched forward whose keys are split into num_splits chunks per query tile (split-KV,
-// for decoding: the chunks fill the GPU where b * h query tiles cannot): the SM80-tier forward writes fp32 partials,
-// the combine kernel merges them. With block_table, k and v are page pools (num_pages, page_size, hk, d), read in
+// for decoding: the chunks fill the GPU where b * h query tiles cannot): tier's forward writes fp32 partials,
+// combine_tier's combine kernel merges them. With block_table, k and v are page pools (num_pages, page_size, hk, d), read in
 // place. Each chunk is masked as the whole call is, so any mask splits exactly. packed_heads > 1: q is GQA-packed
 // (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query. leftpad_k (int32 (b,)):
 // sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not taken
@@ -419,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in, std::optional<at::Tensor> const& seqused_k,
     std::optional<at::Tensor> const& block_table, std::optional<at::Tensor> const& leftpad_k, double softmax_scale,
     int64_t window_left, int64_t window_right, double softcap, int64_t num_splits, int64_t packed_heads,
-    int64_t kernel_head_dim, int64_t tier) {
+    int64_t kernel_head_dim, int64_t tier, int64_t combine_tier) {
     c10::cuda::CUDAGuard guard(q_in.device());
     TORCH_CHECK(num_splits >= 1 && num_splits <= 256, "flash_attention: num_splits must be in [1, 256]");
     TORCH_CHECK(packed_heads >= 1 && q_in.dim() == 4 && q_in.size(1) % packed_heads == 0,
@@ -471,7 +471,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     p.lse_partial_split_stride = lse_partial.stride(0);
     p.o_batch_stride = o_partial.stride(1), p.o_row_stride = o_partial.stride(2), p.o_head_stride = o_partial.stride(3);
     run("fwd", tier, kernel_head_dim, q, p, launch_hints(p, q, seqs));
-    combine(o_partial, lse_partial.transpose(2, 3), out, lse, kernel_head_dim, tier);
+    combine(o_partial, lse_partial.transpose(2, 3), out, lse, kernel_head_dim, combine_tier);
     return {out, lse};
 }
 
@@ -555,7 +555,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "and tier; differentiable, its backward a C++ autograd node running bwd");
     m.def("fwd_split", &fwd_split,
           "split-KV forward (out, lse): q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, "
-          "window_right, softcap, num_splits, packed_heads, kernel_head_dim, tier");
+          "window_right, softcap, num_splits, packed_heads, kernel_head_dim, tier (the forward's), combine_tier");
     m.def("combine", &combine,
           "split-KV combine into out (and lse when given): out_partial, lse_partial, out, lse, kernel_head_dim, tier");
     m.def("append_kv", &append_kv,

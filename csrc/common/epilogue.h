@@ -1,10 +1,11 @@
-// What the tiers' epilogues share: the lse of a tile's rows, from the accumulator's (row, col) coordinates, and
-// register stores of adjacent column pairs.
+// What the tiers' epilogues share: the lse of a tile's rows, from the accumulator's (row, col) coordinates, register
+// stores of adjacent column pairs, and a split-KV CTA's partial output.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/array.h>
 
+#include "fragment.h"
 #include "params.h"
 #include "seqlen.h"
 
@@ -47,6 +48,26 @@ __device__ __forceinline__ void store_row_pairs(CoordRC const& coord_rc, FragRC 
             }
         }
     }
+}
+
+// A split-KV CTA's output (normalised by its chunk's own sum) in fp32 and its lse, into split `split` of the
+// partials, straight from registers: each thread holds pairs of adjacent columns. Decode tiles have few
+// (valid) rows, so these stores are few.
+template <class Traits, class TiledMma, class AccO, int kRows>
+__device__ __forceinline__ void store_partial(TiledMma const& tiled_mma, AccO const& acc_o, float const (&lse)[kRows],
+                                              FwdParams const& params, SeqlenInfo const& seq, int m_block, int head,
+                                              int split, int tid) {
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    int const row0 = m_block * kBlockM;
+    auto const coord_rc = rowcol_view(tiled_mma.get_thread_slice(tid).partition_C(
+        cute::make_identity_tensor(cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{})));
+    store_lse(params.lse_partial + split * params.lse_partial_split_stride, coord_rc, lse, params, seq, head, row0);
+    float* o = params.o_partial + split * params.o_partial_split_stride +
+               seq.q_offset(params.o_batch_stride, params.o_row_stride, params.o_head_stride, head) +
+               int64_t(row0) * params.o_row_stride;
+    store_row_pairs(coord_rc, rowcol_view(acc_o), o, params.o_row_stride, seq.q.len - row0, params.d,
+                    [](float x) { return x; });
 }
 
 }  // namespace flash

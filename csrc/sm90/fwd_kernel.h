@@ -2,7 +2,9 @@
 // registers to the consumers) and kBlockM / 64 consumer warpgroups (wgmma, softmax, epilogue) computes kBlockM x d
 // output tiles. CTA i takes tiles i, i + gridDim.x, ... in the order of decode_tile (query blocks last-first, so
 // causal tiles come longest first); with a persistent grid its producer loads the next tile's Q, K and V while the
-// consumers finish the current one. The roles' code is in mainloop.h and epilogue.h.
+// consumers finish the current one. With split-KV partials, each query tile's keys are cut into params.num_splits
+// chunks, tiles of their own whose fp32 outputs the combine kernel merges. The roles' code is in mainloop.h and
+// epilogue.h.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -47,18 +49,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Every lane of a warp decodes (varlen decoding is a warp scan). An invalid tile (a varlen grid's spare, or a
     // batched tile past seqused_q) is skipped by the producer and the consumers alike.
+    // Split-KV (params.o_partial): tile idx is chunk idx % num_splits of query tile idx / num_splits, so that a
+    // query tile's chunks run side by side.
     struct Tile {
         TileCoord blk;
         SeqlenInfo seq;
         AttnWindow window;
         Interval n_range;
+        int split;
     };
     auto tile_at = [&](int idx) {
-        TileCoord const blk = decode_tile<kBlockM>(idx, params.cu_seqlens_q, params.seqused_q, params.sq, params.b,
-                                                   params.h, true, args.section);
+        int const splits = params.o_partial != nullptr ? params.num_splits : 1;
+        int const split = idx % splits;
+        TileCoord const blk = decode_tile<kBlockM>(idx / splits, params.cu_seqlens_q, params.seqused_q, params.sq,
+                                                   params.b, params.h, true, args.section);
         SeqlenInfo const seq(params, blk.batch);
         AttnWindow const window = seq.window(params);
-        return Tile{blk, seq, window, BlockRange<kBlockM, kBlockN>::n_blocks(window, blk.block)};
+        Interval const n_range = BlockRange<kBlockM, kBlockN>::n_blocks(window, blk.block);
+        return Tile{blk, seq, window, splits > 1 ? split_chunk(n_range, split, splits) : n_range, split};
     };
     PipelineState<Traits::kStages> state;
 
@@ -103,9 +111,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // Decoded again for the epilogue: kept live across the key loop, the tile's coordinates spilled (d 256).
         Tile const t = tile_at(reread(idx));
         // A tile without keys loaded nothing, so the producer does not wait for its output buffer: it stores from
-        // registers.
-        bool const via_tma = params.cu_seqlens_q == nullptr && params.seqused_q == nullptr && !t.n_range.empty();
-        store_output<Traits>(args.tma_o, shared, acc_o, lse, params, t.seq, t.blk.block, t.blk.head, ctid, via_tma);
+        // registers, as do split-KV partials (fp32, few valid rows).
+        bool const via_tma = params.cu_seqlens_q == nullptr && params.seqused_q == nullptr && !t.n_range.empty() &&
+                             params.o_partial == nullptr;
+        if (params.o_partial != nullptr) {
+            store_partial<Traits>(mma_o, acc_o, lse, params, t.seq, t.blk.block, t.blk.head, t.split, ctid);
+        } else {
+            store_output<Traits>(args.tma_o, shared, acc_o, lse, params, t.seq, t.blk.block, t.blk.head, ctid,
+                                 via_tma);
+        }
         if constexpr (Traits::kOAliasesV) {
             if (!via_tma && !t.n_range.empty() && ctid % 128 == 0) {
                 cutlass::arch::ClusterBarrier::arrive(&shared.o_free);

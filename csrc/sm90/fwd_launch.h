@@ -25,9 +25,19 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
         return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_shape(rows, params.d, heads, entries),
                            make_stride(row_stride, _1{}, head_stride, batch_stride));
     };
-    int64_t const num_tiles =
-        tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) * params.h;
+    int64_t const num_tiles = tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) *
+                              params.h * (params.o_partial != nullptr ? params.num_splits : 1);
     if (num_tiles > INT_MAX) { return cudaErrorInvalidConfiguration; }
+    // Split partials (fp32) leave from registers: their unused output descriptor is built on q, a valid 16-bit
+    // tensor of the same shape.
+    struct Output {
+        void* ptr;
+        int64_t row_stride, head_stride, batch_stride;
+    };
+    Output const o = params.o_partial == nullptr
+                         ? Output{params.o, params.o_row_stride, params.o_head_stride, params.o_batch_stride}
+                         : Output{const_cast<void*>(params.q), params.q_row_stride, params.q_head_stride,
+                                  params.q_batch_stride};
     FwdKernelParams<Traits> args{
         params,
         make_tma_copy(SM90_TMA_LOAD{},
@@ -45,9 +55,9 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
                       take<0, 2>(typename Traits::SmemLayoutKV{}),
                       Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}),
         make_tma_copy(SM90_TMA_STORE{},
-                      make_tensor(make_gmem_ptr(static_cast<Element*>(params.o)),
+                      make_tensor(make_gmem_ptr(static_cast<Element*>(o.ptr)),
                                   make_shape(params.sq, params.d, params.h, entries),
-                                  make_stride(params.o_row_stride, _1{}, params.o_head_stride, params.o_batch_stride)),
+                                  make_stride(o.row_stride, _1{}, o.head_stride, o.batch_stride)),
                       typename Traits::SmemLayoutOSlab{}, Shape<_64, Int<Traits::kHeadDim>>{}, _1{}),
         int(num_tiles),
         1};
@@ -98,10 +108,8 @@ cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cu
 
 template <int kHeadDim>
 char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
-    if (params.o_partial != nullptr || params.block_table != nullptr || params.packed_heads > 1 ||
-        params.leftpad_k != nullptr) {
-        return "split-KV partials, paged caches, GQA-packed queries and left padding are taken by the SM80 tier's "
-               "forward";
+    if (params.block_table != nullptr || params.packed_heads > 1 || params.leftpad_k != nullptr) {
+        return "paged caches, GQA-packed queries and left padding are taken by the SM80 tier's forward";
     }
     return unsupported_head_dim<kHeadDim, FwdParams>(params, hints);
 }
