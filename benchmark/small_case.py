@@ -15,9 +15,10 @@ sequence), causal and windowed, the lse in the loss, default and deterministic b
 cu_seqlens/seqused are out of range (past the end, decreasing, negative): the kernels must clamp them to the tensors'
 rows, so memcheck must stay clean (the numbers are unspecified).
 
---decode runs flash_attn_with_kvcache's native calls instead (the SM80-tier decode kernels and the combine): one and
-three query rows GQA-packed under a causal mask or a window, split and not, a contiguous cache and caches paged in
-pages of 16 and 3 (shuffled), an empty, a partial and a full sequence, new keys appended."""
+--decode runs flash_attn_with_kvcache's calls instead (the SM80-tier decode kernels and the combine; on Hopper the
+SM90 forward's split partials for 130 rows of a contiguous cache): one and three query rows GQA-packed, and 130 rows,
+under a causal mask or a window, split and not, a contiguous cache and caches paged in pages of 16 and 3 (shuffled),
+an empty, a partial and a full sequence, new keys appended."""
 
 import argparse
 
@@ -88,7 +89,7 @@ def decode_case(d):
     b, cache_len, h, hk = 3, 240, 8, 2
     k_cache, v_cache = (torch.randn(b, cache_len, hk, d, dtype=BF16, device="cuda") for _ in range(2))
     seqlens = int32([0, 77, cache_len - 2])
-    for sq in (1, 3):
+    for sq in (1, 3, 130):  # 130 rows: prefill-shaped (on Hopper the SM90 forward's split partials)
         q = torch.randn(b, sq, h, d, dtype=BF16, device="cuda")
         for num_splits in (1, 3):
             for window in ((-1, -1), (20, 0)):
