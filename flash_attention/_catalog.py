@@ -37,6 +37,8 @@ class Kind:
     head_dims: Tuple[int, ...] = HEAD_DIMS
     # One kernel, compiled at the largest of head_dims, serves every head dim up to it (it loops over the dims).
     any_head_dim: bool = False
+    # Paged K / V: the page sizes it reads are multiples of this (sm90/tile_traits.h: kPageMultiple); 0: no pages.
+    page_multiple: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +66,14 @@ class Tier:
 
 TIERS = {
     "sm80": Tier("sm80", 80, (80, 86, 87, 89, 90, 120, 121), ((8, 0), (99, 99)),
-                 {"fwd": Kind("FwdParams", "sm80/fwd_launch.h"), "bwd": Kind("BwdParams", "sm80/bwd_launch.h"),
+                 {"fwd": Kind("FwdParams", "sm80/fwd_launch.h", page_multiple=1),
+                  "bwd": Kind("BwdParams", "sm80/bwd_launch.h"),
                   "combine": Kind("CombineParams", "sm80/combine_launch.h"),
                   "append": Kind("AppendParams", "sm80/append_launch.h", (MAX_HEAD_DIM,), any_head_dim=True)},
                  ("sm80",)),
     # Its d 256 key blocks of 80 columns need CuTe's wgmma shapes with N not a power of two.
     "sm90": Tier("sm90", 90, (90,), ((9, 0), (9, 0)),
-                 {"fwd": Kind("FwdParams", "sm90/fwd_launch.h", (64, 128, 256)),
+                 {"fwd": Kind("FwdParams", "sm90/fwd_launch.h", (64, 128, 256), page_multiple=128),
                   "bwd": Kind("BwdParams", "sm90/bwd_launch.h", (64, 128, 256))},
                  ("sm90",), "a", ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), fallback="sm80"),
 }

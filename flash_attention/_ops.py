@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _dispatch
+from . import _catalog, _dispatch
 
 
 def _lse_shape(q: torch.Tensor):
@@ -253,23 +253,28 @@ def fwd_split(
                               softcap, num_splits, packed_heads, tier)
 
 
-def split_forward_tier(q: torch.Tensor, block_table, leftpad_k, packed_heads: int, tier: Optional[str]) -> str:
+def split_forward_tier(q: torch.Tensor, k: torch.Tensor, block_table, leftpad_k, packed_heads: int,
+                       tier: Optional[str]) -> str:
     """The tier whose forward writes fwd_split's partials: q's forward tier (the SM90 forward on Hopper, whose TMA
-    loads stream K and V) for prefill-shaped calls (more than 64 query rows) of a contiguous cache, without left
-    padding or GQA packing; else SPLIT_TIER's decode kernels, which take any. Decode-shaped calls stay there: on an
-    H200 (2026-11-26) the SM90 forward was 0.96x their speed over the decode shapes (0.77x at head dim 64)."""
-    if q.shape[1] > 64 and block_table is None and leftpad_k is None and packed_heads == 1:
+    loads stream K and V) for prefill-shaped calls (more than 64 query rows) without left padding or GQA packing, of
+    a contiguous cache or pages (k's rows, with block_table) of a size it reads; else SPLIT_TIER's decode kernels,
+    which take any. Decode-shaped calls stay there: on an H200 (2026-11-26) the SM90 forward was 0.96x their speed
+    over the decode shapes (0.77x at head dim 64)."""
+    if q.shape[1] > 64 and leftpad_k is None and packed_heads == 1:
         try:
-            return _dispatch.resolve_tier(q.device, tier, q.shape[-1], q.dtype, "fwd")
+            name = _dispatch.resolve_tier(q.device, tier, q.shape[-1], q.dtype, "fwd")
         except RuntimeError:
-            pass
+            return SPLIT_TIER
+        multiple = _catalog.TIERS[name].kinds["fwd"].page_multiple
+        if block_table is None or (multiple and k.shape[1] % multiple == 0):
+            return name
     return SPLIT_TIER
 
 
 def split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right, softcap,
                        num_splits, packed_heads, tier):
     ext = _dispatch.load_extension()
-    fwd_tier = split_forward_tier(q, block_table, leftpad_k, packed_heads, tier)
+    fwd_tier = split_forward_tier(q, k, block_table, leftpad_k, packed_heads, tier)
     tier_id, kernel_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, fwd_tier)
     combine_id, _ = _dispatch.resolve(q.device, "combine", q.shape[-1], q.dtype, SPLIT_TIER)
     return ext.fwd_split(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right,

@@ -6,12 +6,13 @@ then runs over each sequence's used rows (cache_seqlens plus the new tokens, fro
 tensor's values on the host, so a decode step can be captured in a CUDA graph and traced by torch.compile.
 
 Without ALiBi (and cache_batch_idx on a paged cache), and unless prefill-shaped (more than 64 query rows) on a GPU
-with a faster tier of its own (Hopper) with a paged cache or cache_leftpad, the call is native
+with a faster tier of its own (Hopper) with cache_leftpad or pages not a multiple of 128 rows, the call is native
 (_ops.split_attention): CTAs read the cache in place (a paged one through its block table; from cache_leftpad on),
 each sequence's keys cut into num_splits chunks (0: enough to fill the GPU; each chunk masked as the whole call is)
 whose fp32 partials the combine kernel merges. Decode-shaped calls run the SM80 tier's decode kernels, the query
 heads of a kv head packed as rows of one sequence (GQA packing, each packed row masked as its query row), so each
-K/V block is read once per kv head; prefill-shaped ones on Hopper run the SM90 forward, unpacked. Otherwise, and
+K/V block is read once per kv head; prefill-shaped ones on Hopper run the SM90 forward, unpacked (a paged cache by
+TMA boxes from its pages). Otherwise, and
 under torch.compile, it is composed: pages or the entries that cache_batch_idx selects are gathered into a
 contiguous copy, and where exact (one query row, or no mask, and no window or ALiBi) the query heads are packed and
 the chunks attended to as sequences of their own in one varlen call, whose outputs flash_attn_combine merges by their
@@ -244,12 +245,12 @@ def flash_attn_with_kvcache(
         causal = False  # one query row sees every used key under a bottom-right causal mask
     # Prefill-shaped calls (more than 64 query rows per head) on a GPU with a faster tier than the split kernels'
     # (Hopper) go to that tier's forward: natively and unpacked where it writes the partials itself (a contiguous
-    # cache without cache_leftpad: _ops.split_forward_tier; its query tiles fill without packing, which would copy q
-    # and out), else composed, its speed outweighing the gather of a paged cache.
+    # cache or pages of a multiple of 128 rows, without cache_leftpad: _ops.split_forward_tier; its query tiles fill
+    # without packing, which would copy q and out), else composed, its speed outweighing the gather of a paged cache.
     can_split = alibi_slopes is None and (block_table is None or cache_batch_idx is None) \
         and d % 8 == 0 and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier)
     faster_tier = can_split and sq > 64 and not _ops.split_tier_is_default(q, tier) \
-        and _ops.split_forward_tier(q, block_table, cache_leftpad, 1, tier) != _ops.SPLIT_TIER
+        and _ops.split_forward_tier(q, k_cache, block_table, cache_leftpad, 1, tier) != _ops.SPLIT_TIER
     native = can_split and (sq <= 64 or _ops.split_tier_is_default(q, tier) or faster_tier)
     pack = group > 1 and (exact or native) and not faster_tier
     if pack:

@@ -55,6 +55,12 @@ def test_build_reads_the_catalog():
     assert "flash::sm90::fwd_descriptor<128, cutlass::bfloat16_t, cutlass::bfloat16_t>()" in text
 
 
+def test_page_multiple_matches_the_sm90_tiles():
+    """The catalog's page multiple of the SM90 forward is the one its paged TMA boxes assume."""
+    text = (ROOT / "csrc" / "sm90" / "tile_traits.h").read_text()
+    assert f"constexpr int kPageMultiple = {_catalog.TIERS['sm90'].kinds['fwd'].page_multiple};" in text
+
+
 def test_compile_check_covers_every_tier_and_kind():
     """CI compiles one file of each tier and kind, those compiled at one head dim (append) included."""
     sys.path.insert(0, str(ROOT / "csrc"))

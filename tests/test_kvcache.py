@@ -374,19 +374,21 @@ def pages_of(k, v, page_size):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("splits", [1, 2, 5, 64])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("page_size", [None, 1, 3, 16, 256])
+@pytest.mark.parametrize("page_size", [None, 1, 3, 16, 128, 256])
 @pytest.mark.parametrize("sq", [3, 130])
 def test_native_split_cuda(d, splits, causal, page_size, sq):
     """The native split-KV forward (fp32 partials, merged by the combine kernel; on Hopper the SM90 forward writes
-    them for the prefill-shaped (130 rows), unpacked, contiguous calls, else the SM80 tier's decode kernel) per
+    them for the prefill-shaped (130 rows), unpacked calls of a contiguous cache or pages of 128 or 256 rows, else
+    the SM80 tier's decode kernel) per
     sequence against the fp32 reference over its used keys: GQA, an empty sequence (out 0, lse -inf), one key,
     partial key blocks, more splits than key blocks, and a causal mask over several query rows (each chunk is masked
     as the whole call is; rows before the first key see none), with the query heads GQA-packed (each packed row
-    masked as its query row) or not. Read from pages (any size, shuffled) the results are the same bits as the SM80
-    tier's from the contiguous cache where both take its decode tile (split, or at most 64 rows)."""
+    masked as its query row) or not. Read from pages (any size, shuffled) 3 rows are the same bits as from the
+    contiguous cache (the SM80 decode tile either way), 130 rows are checked against the reference (on Hopper, in
+    pages of 128 or 256: the SM90 forward's TMA boxes)."""
     from flash_attention import _ops, interface
     require_kernel(d, bf16)
     require_kernel(d, bf16, "combine")
@@ -400,12 +402,11 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
     if page_size is not None:
         k_pool, v_pool, table = pages_of(k, v, page_size)
         paged = _ops.split_attention(q, k_pool, v_pool, used, table, None, *args, 1, None)
-        if sq <= 64 or splits > 1:
+        if sq <= 64:  # the SM80 decode tile, paged or not
             out, lse = _ops.split_attention(q, k, v, used, None, None, *args, 1, _ops.SPLIT_TIER)
             assert torch.equal(paged[0], out) and torch.equal(paged[1], lse)
             return
-        # Unsplit, 130 contiguous rows take the SM80 tier's 128-row forward tile (other key blocks, other roundings).
-        results = [paged]
+        results = [paged]  # 130 rows: tiles that differ from the contiguous call's (SM90 d 256: 64-key blocks)
     else:
         out, lse = _ops.split_attention(q, k, v, used, None, None, *args, 1, None)
         packed_out, packed_lse = _ops.split_attention(interface.pack_gqa(q, hk), k, v, used, None, None, *args,
@@ -431,7 +432,10 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
     (65, None, None, 1, "sm80", "sm80"),        # a tier override is kept
     (64, None, None, 1, None, "sm80"),          # decode-shaped: the SM80 decode kernels were faster there
     (512, None, None, 4, None, "sm80"),         # GQA-packed rows, masked as their queries only by the SM80 tier
-    (512, "table", None, 1, None, "sm80"),      # paged
+    (512, 256, None, 1, None, "sm90"),          # pages of a multiple of 128 rows: by TMA boxes
+    (512, 128, None, 1, None, "sm90"),
+    (512, 16, None, 1, None, "sm80"),           # smaller pages
+    (512, 192, None, 1, None, "sm80"),
     (512, None, "leftpad", 1, None, "sm80"),    # left-padded
     (512, None, None, 1, "unbuilt", "sm80"),    # no forward kernel for the call: the split tier's error path
 ])
@@ -446,7 +450,8 @@ def test_split_forward_tier(monkeypatch, sq, table, leftpad, packed, tier, expec
 
     monkeypatch.setattr(_dispatch, "resolve_tier", resolve_tier)
     q = torch.randn(2, sq, 8, 64, dtype=bf16)
-    assert _ops.split_forward_tier(q, table, leftpad, packed, tier) == expected
+    k = torch.empty(4, table or 300, 2, 64, dtype=bf16)  # a page pool, or a contiguous cache
+    assert _ops.split_forward_tier(q, k, "table" if table else None, leftpad, packed, tier) == expected
 
 
 @pytest.mark.parametrize("sq, split_tier_default, fwd_tier, native", [
@@ -466,7 +471,7 @@ def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, fw
 
     monkeypatch.setattr(_ops, "split_kernels_available", lambda q, tier: True)
     monkeypatch.setattr(_ops, "split_tier_is_default", lambda q, tier: split_tier_default)
-    monkeypatch.setattr(_ops, "split_forward_tier", lambda q, table, leftpad, packed, tier: fwd_tier)
+    monkeypatch.setattr(_ops, "split_forward_tier", lambda q, k, table, leftpad, packed, tier: fwd_tier)
     monkeypatch.setattr(_ops, "split_attention", fake_split)
     q = torch.randn(2, sq, 8, 64, dtype=bf16)
     k_cache, v_cache = (torch.randn(2, 600, 2, 64, dtype=bf16) for _ in range(2))

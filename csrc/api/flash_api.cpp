@@ -410,8 +410,8 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
 
 // (out, lse (b, h, sq)) of a batched forward whose keys are split into num_splits chunks per query tile (split-KV,
 // for decoding: the chunks fill the GPU where b * h query tiles cannot): tier's forward writes fp32 partials,
-// combine_tier's combine kernel merges them. With block_table, k and v are page pools (num_pages, page_size, hk, d), read in
-// place. Each chunk is masked as the whole call is, so any mask splits exactly. packed_heads > 1: q is GQA-packed
+// combine_tier's combine kernel merges them. With block_table, k and v are page pools (num_pages, page_size, hk, d),
+// read in place. Each chunk is masked as the whole call is, so any mask splits exactly. packed_heads > 1: q is GQA-packed
 // (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query. leftpad_k (int32 (b,)):
 // sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not taken
 // (flash_attn_with_kvcache, the caller, passes neither).

@@ -25,9 +25,11 @@ namespace flash::sm90 {
 
 using namespace cute;
 
-template <class Traits>
+// kPaged: K and V come from a paged cache (params.block_table), a kernel of its own so that the others skip the
+// page lookups.
+template <class Traits, bool kPaged = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
-    fwd_kernel(__grid_constant__ FwdKernelParams<Traits> const args) {
+    fwd_kernel(__grid_constant__ FwdKernelParams<Traits, kPaged> const args) {
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
@@ -77,7 +79,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             for (int idx = blockIdx.x; idx < args.num_tiles; idx += gridDim.x) {
                 Tile const t = tile_at(idx);
                 if (leader && t.blk.valid && !t.n_range.empty()) {
-                    load<Traits>(args, shared, t.seq, t.blk, t.n_range, state);
+                    load<Traits, kPaged>(args, shared, t.seq, t.blk, t.n_range, state);
                 }
             }
         }

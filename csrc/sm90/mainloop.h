@@ -25,7 +25,15 @@ namespace flash::sm90 {
 
 using namespace cute;
 
+// The page pools of a paged cache as (page rows, head dim, kv heads, pages), read in boxes (kPaged kernels only).
+template <class Traits, bool kPaged>
+struct PageTmas {
+    typename Traits::TmaKVPage k, v;
+};
 template <class Traits>
+struct PageTmas<Traits, false> {};
+
+template <class Traits, bool kPaged = false>
 struct FwdKernelParams {
     FwdParams p;
     typename Traits::TmaQ tma_q;
@@ -34,6 +42,7 @@ struct FwdKernelParams {
     typename Traits::TmaO tma_o;
     int num_tiles;  // a bound on the tiles of the grid (see tile_count)
     int section;    // (batch, head) pairs per L2 section of the tile order (see decode_tile)
+    PageTmas<Traits, kPaged> pages;
 };
 
 // The position of a CTA's producer or consumers in the Q buffer and the K / V rings, kept across its tiles.
@@ -46,8 +55,10 @@ struct PipelineState {
 
 // Producer (one thread): Q, then K(n) and V(n + 1) for every key block n of the tile, last-first. Rows past the
 // tensor arrive as zeros; rows of the next packed sequence are masked (keys) or zeroed (values, see consume()).
-template <class Traits>
-__device__ __forceinline__ void load(FwdKernelParams<Traits> const& args, typename Traits::SharedStorage& shared,
+// kPaged: K and V blocks come box by box from the pages that params.block_table names for their rows.
+template <class Traits, bool kPaged>
+__device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args,
+                                     typename Traits::SharedStorage& shared,
                                      SeqlenInfo const& seq, TileCoord const& blk, Interval n_range,
                                      PipelineState<Traits::kStages>& state) {
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -85,6 +96,38 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits> const& args, typena
     state.q_phase ^= 1;
     RingState<Traits::kStages>& k_state = state.k;
     RingState<Traits::kStages>& v_state = state.v;
+    // Block n_block of K or V into stage `stage`, on `full`'s transaction count.
+    auto load_block = [&](auto const& tma, auto const& tXgX, auto const& tXsX, int which, uint64_t& full,
+                          int n_block, int stage) {
+        if constexpr (kPaged) {
+            constexpr int kBox = Traits::kPageBox;
+            auto const& tma_page = which == 0 ? args.pages.k : args.pages.v;
+            Tensor m = tma_page.get_tma_tensor(make_shape(params.page_size, params.d, params.hk, params.num_pages));
+            auto thr = tma_page.get_slice(_0{});
+            int const* table = params.block_table + int64_t(seq.batch) * params.block_table_stride;
+            int const last_slot = params.sk / params.page_size - 1;  // sk: the table's rows
+            typename Traits::Element* stage_base =
+                (which == 0 ? shared.k.data() : shared.v.data()) + stage * (kBlockN * kHeadDim);
+            CUTE_UNROLL
+            for (int j = 0; j < kBlockN / kBox; ++j) {
+                // A box past the table's rows lies past its (clamped) page's rows: TMA fills it with zeros.
+                int const key = n_block * kBlockN + j * kBox;
+                int const slot =
+                    min(params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size, last_slot);
+                int const page = min(max(table[slot], 0), params.num_pages - 1);
+                int const box = (key - slot * params.page_size) / kBox;
+                CUTE_UNROLL
+                for (int c = 0; c < kHeadDim / 64; ++c) {
+                    Tensor g = local_tile(m(_, _, head_kv, page), Shape<Int<kBox>, _64>{}, make_coord(box, c));
+                    Tensor s = make_tensor(make_smem_ptr(stage_base + c * (kBlockN * 64) + j * (kBox * 64)),
+                                           typename Traits::SmemLayoutKVBox{});
+                    copy(tma_page.with(full, 0, kKeep), thr.partition_S(g), thr.partition_D(s));
+                }
+            }
+        } else {
+            copy(tma.with(full, 0, kKeep), tXgX(_, _, _, n_block), tXsX(_, _, _, stage));
+        }
+    };
     auto load_v = [&](int n_block) {
         if constexpr (Traits::kOAliasesV) {
             // The V ring holds the previous tile's output until its stores have read it.
@@ -93,13 +136,13 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits> const& args, typena
                 state.o_phase ^= 1;
             }
         }
-        copy(args.tma_v.with(shared.v_ring.acquire(v_state, Traits::kKVBytes), 0, kKeep), tVgV(_, _, _, n_block),
-             tVsV(_, _, _, v_state.index));
+        load_block(args.tma_v, tVgV, tVsV, 1, shared.v_ring.acquire(v_state, Traits::kKVBytes), n_block,
+                   v_state.index);
         v_state.advance();
     };
     for (int n_block = n_range.hi - 1; n_block >= n_range.lo; --n_block) {
-        copy(args.tma_k.with(shared.k_ring.acquire(k_state, Traits::kKVBytes), 0, kKeep), tKgK(_, _, _, n_block),
-             tKsK(_, _, _, k_state.index));
+        load_block(args.tma_k, tKgK, tKsK, 0, shared.k_ring.acquire(k_state, Traits::kKVBytes), n_block,
+                   k_state.index);
         k_state.advance();
         if (n_block + 1 < n_range.hi) { load_v(n_block + 1); }
     }
