@@ -452,7 +452,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     }
     set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, none, seqs, paged_rows);
     auto const fp32 = q.options().dtype(at::kFloat);
-    at::Tensor out = at::empty(q.sizes(), q.options());
+    // A decode step GQA-packed (one query row: packed rows (b, group, hk, d)) is written straight into a (b, 1, h, d)
+    // result, which unpack_gqa then views: its regrouping copy would be a kernel of its own.
+    int64_t const group = packed_heads;
+    at::Tensor out = group > 1 && q.size(1) == group
+                         ? at::empty({q.size(0), 1, q.size(2) * group, q.size(3)}, q.options())
+                               .view({q.size(0), q.size(2), group, q.size(3)})
+                               .transpose(1, 2)
+                         : at::empty(q.sizes(), q.options());
     at::Tensor lse = at::empty({p.b, p.h, p.sq}, fp32);
     if (num_splits == 1) {  // one chunk: its output is the result, stored as the forward stores it
         p.o = out.data_ptr();

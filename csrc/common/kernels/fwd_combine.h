@@ -1,7 +1,10 @@
 // Combine of split-KV partials (CombineParams), for every tier: each row (batch, row, head) is read by kHeadDim / 8
 // lanes of a warp, 8 values each per split (16 bytes of 16-bit partials, 32 of fp32 ones), so that a warp takes
-// 32 / (kHeadDim / 8) rows. The weights exp(lse_s - max)
-// are computed by every lane of the row from the split's lse (one broadcast load), the output accumulated in fp32.
+// 32 / (kHeadDim / 8) rows. The row's lse max is taken by its lanes together (each reads every kHeadDim / 8-th
+// split's lse, then they exchange); the weights exp(lse_s - max) are computed by every lane of the row from the
+// split's lse (one broadcast load, issued with the partials'), the output accumulated in fp32. A decode step's
+// combine is a few rows against many splits: its time is the chain of load latencies, one round for the max and one
+// per kBatch splits.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -14,7 +17,7 @@
 namespace flash {
 
 constexpr int kCombineWarps = 4;
-constexpr int kBatch = 4;  // splits whose loads are in flight at once
+constexpr int kBatch = 8;  // splits whose loads are in flight at once
 
 // Eight values moved in 16-byte accesses: the compiler does not merge an Array's 4-byte storage words into one.
 template <typename T>
@@ -43,27 +46,28 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
     constexpr int kRowsPerWarp = 32 / kLanesPerRow;
     static_assert(kHeadDim % 8 == 0 && kLanesPerRow <= 32);
     int const lane = threadIdx.x % 32;
+    // Rows are whole lane groups, and a group's lanes leave together: the max's exchange below is among them only.
     if (lane >= kRowsPerWarp * kLanesPerRow) { return; }
     int64_t const id = (int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / 32) * kRowsPerWarp + lane / kLanesPerRow;
     if (id >= int64_t(p.b) * p.rows * p.h) { return; }
     int const head = int(id % p.h);
     int const row = int(id / p.h % p.rows);
     int const batch = int(id / p.h / p.rows);
-    int const col = lane % kLanesPerRow * 8;
+    int const sub = lane % kLanesPerRow;
+    int const col = sub * 8;
 
     float const* lse = p.lse_partial + batch * p.lp_batch_stride + row * p.lp_row_stride + head * p.lp_head_stride;
-    // Splits are read kBatch at a time, all loads issued before any is used: one at a time, each load's latency
-    // adds up over the splits (a decode step's combine is a few rows against many splits).
-    auto lse_of = [&](int s) { return s < p.splits ? lse[s * p.lp_split_stride] : -INFINITY; };
     float top = -INFINITY;
-    for (int s0 = 0; s0 < p.splits; s0 += kBatch) {
-        float l[kBatch];
-        CUTE_UNROLL
-        for (int i = 0; i < kBatch; ++i) { l[i] = lse_of(s0 + i); }
-        CUTE_UNROLL
-        for (int i = 0; i < kBatch; ++i) { top = fmaxf(top, l[i]); }
-    }
+    for (int s = sub; s < p.splits; s += kLanesPerRow) { top = fmaxf(top, lse[s * p.lp_split_stride]); }
+    int const first = lane - sub;
+    unsigned const row_lanes =
+        kLanesPerRow == 32 ? 0xffffffffu : ((1u << (kLanesPerRow % 32)) - 1u) << first;
+    CUTE_UNROLL
+    for (int i = 0; i < kLanesPerRow; ++i) { top = fmaxf(top, __shfl_sync(row_lanes, top, first + i)); }
     float const base = top == -INFINITY ? 0.f : top;  // no split saw a key: weights 0, not NaN
+    // Splits are read kBatch at a time, all loads issued before any is used: one at a time, each load's latency
+    // would add up over the splits.
+    auto lse_of = [&](int s) { return s < p.splits ? lse[s * p.lp_split_stride] : -INFINITY; };
 
     cutlass::NumericArrayConverter<float, Partial, 8> to_float;
     auto const* partial = static_cast<Partial const*>(p.out_partial) + batch * p.op_batch_stride +
