@@ -287,7 +287,17 @@ def split_attention(q, k, v, *args) -> Tuple[torch.Tensor, torch.Tensor]:
     return split_forward_impl(q, k, v, *args) if _eager(q, k, v) else fwd_split(q, k, v, *args)
 
 
-fwd_split.register_fake(_fwd_fake)  # the same outputs as the forward's
+@fwd_split.register_fake
+def _split_fake(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right, softcap,
+                num_splits, packed_heads, tier):
+    """The forward's outputs, but as the binding lays out a GQA-packed one-row call's (b, group, hk, d) output: the
+    strides of a contiguous (b, 1, h, d) tensor, which unpack_gqa then views without a copy."""
+    b, rows, hk, d = q.shape
+    if packed_heads > 1 and rows == packed_heads:
+        out = q.new_empty_strided((b, rows, hk, d), (hk * rows * d, d, rows * d, 1))
+    else:
+        out = _outputs_like(q)[0]
+    return out, q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
 class _EagerAttention(torch.autograd.Function):

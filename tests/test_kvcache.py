@@ -427,6 +427,60 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
             assert torch.allclose(lse[i:i + 1][seen], ref_lse[seen].float(), atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("sq, packed", [(1, 4), (3, 4), (1, 1)])
+def test_split_fake_lays_out_as_the_binding(sq, packed):
+    """fwd_split's fake gives a GQA-packed one-row call's output the binding's layout (a view of a contiguous (b, 1,
+    h, d) tensor, which unpack_gqa views again, without a copy), others a contiguous one: torch.compile trusts it."""
+    from flash_attention import _ops, interface
+    b, hk, d = 2, 3, 16
+    q = torch.randn(b, sq * packed, hk, d, dtype=bf16)
+    out, lse = _ops._split_fake(q, q, q, None, None, None, 0.25, -1, -1, 0.0, 2, packed, None)
+    assert out.shape == q.shape and lse.shape == (b, hk, sq * packed)
+    if packed > 1 and sq == 1:
+        assert out.stride() == (hk * packed * d, d, packed * d, 1)
+        full, _ = interface.unpack_gqa(out, lse, sq)
+        assert full.is_contiguous() and full.data_ptr() == out.data_ptr()
+    else:
+        assert out.is_contiguous()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sq, packed", [(1, 4), (3, 4), (1, 1)])
+def test_split_opcheck_cuda(sq, packed):
+    """torch.library.opcheck of fwd_split (schema, fake against the binding's outputs, dynamic shapes), packed or not."""
+    from flash_attention import _ops
+    require_kernel(64, bf16)
+    require_kernel(64, bf16, "combine")
+    b, hk, d, sk = 2, 2, 64, 300
+    q = torch.randn(b, sq * packed, hk, d, dtype=bf16, device="cuda")
+    k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
+    if not _ops.split_kernels_available(q, None):
+        pytest.skip("no split kernels for this head dim")
+    used = torch.tensor([7, sk], dtype=torch.int32, device="cuda")
+    torch.library.opcheck(torch.ops.flash_attention.fwd_split.default,
+                          (q, k, v, used, None, None, d ** -0.5, -1, 0, 0.0, 3, packed, None))
+
+
+@pytest.mark.cuda
+def test_decode_compiled_matches_eager_cuda():
+    """A GQA decode step of flash_attn_func under torch.compile(fullgraph=True) (the traced fwd_split op, its packed
+    one-row output laid out as the fake says) gives eager's bits."""
+    from flash_attention import flash_attn_func
+    require_kernel(64, bf16)
+    q = torch.randn(2, 1, 8, 64, dtype=bf16, device="cuda")
+    k, v = (torch.randn(2, 500, 2, 64, dtype=bf16, device="cuda") for _ in range(2))
+
+    def step(q, k, v):
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        return out * 2, lse
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out, lse = torch.compile(step, fullgraph=True)(q, k, v)
+        eager_out, eager_lse = step(q, k, v)
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+
+
 @pytest.mark.parametrize("sq, table, leftpad, packed, tier, expected", [
     (65, None, None, 1, None, "sm90"),          # prefill-shaped, contiguous: the SM90 forward writes the partials
     (65, None, None, 1, "sm80", "sm80"),        # a tier override is kept
