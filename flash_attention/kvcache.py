@@ -249,9 +249,9 @@ def flash_attn_with_kvcache(
     # without packing, which would copy q and out), else composed, its speed outweighing the gather of a paged cache.
     can_split = alibi_slopes is None and (block_table is None or cache_batch_idx is None) \
         and d % 8 == 0 and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier)
-    faster_tier = can_split and sq > 64 and not _ops.split_tier_is_default(q, tier) \
+    faster_tier = can_split and sq > 64 \
         and _ops.split_forward_tier(q, k_cache, block_table, cache_leftpad, 1, tier) != _ops.SPLIT_TIER
-    native = can_split and (sq <= 64 or _ops.split_tier_is_default(q, tier) or faster_tier)
+    native = can_split and (sq <= 64 or faster_tier or _ops.split_tier_is_default(q, tier))
     pack = group > 1 and (exact or native) and not faster_tier
     if pack:
         rows, heads = sq * group, hk

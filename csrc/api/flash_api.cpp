@@ -112,6 +112,14 @@ int const* seq_tensor(std::optional<at::Tensor> const& t, char const* name, int6
     return t->data_ptr<int>();
 }
 
+// A page table (flash_attn_with_kvcache's block_table): int32 (b, max_blocks) on q's device, rows contiguous.
+int const* block_table_of(at::Tensor const& t, at::Tensor const& q, int64_t b) {
+    TORCH_CHECK(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == 2 &&
+                    t.size(0) == b && t.stride(1) == 1,
+                "flash_attention: block_table must be int32 (b, max_blocks) on q's device, rows contiguous");
+    return t.data_ptr<int>();
+}
+
 // The fields both directions share: q, k, v, sequences, sizes, scales, window, ALiBi.
 // paged_rows > 0: k and v are page pools (num_pages, page_size, hk, d) of a batched call whose sequences have
 // paged_rows rows of capacity (the caller sets the page fields).
@@ -348,28 +356,20 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
                 "flash_attention: append_kv takes q and the caches as 4-D CUDA tensors of one dtype, head dim and "
                 "device, their last dims contiguous");
     int64_t const b = q.size(0);
-    auto int32_vector = [&](at::Tensor const& t) {
-        return same(t) && t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) == b && t.stride(0) == 1;
-    };
-    TORCH_CHECK(int32_vector(cache_seqlens) && (!cache_batch_idx || int32_vector(*cache_batch_idx)),
-                "flash_attention: cache_seqlens and cache_batch_idx must be contiguous int32 (b,) on q's device");
     flash::AppendParams p{};
+    p.cache_seqlens = seq_tensor(cache_seqlens, "cache_seqlens", b, q);
+    p.cache_batch_idx = seq_tensor(cache_batch_idx, "cache_batch_idx", b, q);
     p.b = int(b), p.sq = int(q.size(1)), p.h = int(q.size(2)), p.d = int(q.size(3));
     p.hk = int(k_cache.size(2));
     p.cache_entries = int(k_cache.size(0));
     p.cache_len = int(k_cache.size(1));
     if (block_table) {
-        auto const& t = *block_table;
-        TORCH_CHECK(same(t) && t.scalar_type() == at::kInt && t.dim() == 2 && t.size(0) == b && t.stride(1) == 1,
-                    "flash_attention: block_table must be int32 (b, max_blocks) on q's device, rows contiguous");
-        p.block_table = t.data_ptr<int>();
-        p.block_table_stride = t.stride(0);
+        p.block_table = block_table_of(*block_table, q, b);
+        p.block_table_stride = block_table->stride(0);
         p.page_size = int(k_cache.size(1));
-        p.cache_len = int(t.size(1) * k_cache.size(1));
+        p.cache_len = int(block_table->size(1) * k_cache.size(1));
     }
     TORCH_CHECK(p.cache_len > 0 && p.cache_entries > 0, "flash_attention: the caches must hold a row");
-    p.cache_seqlens = cache_seqlens.data_ptr<int>();
-    p.cache_batch_idx = cache_batch_idx ? cache_batch_idx->data_ptr<int>() : nullptr;
     p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
     p.kc_batch_stride = k_cache.stride(0), p.kc_row_stride = k_cache.stride(1), p.kc_head_stride = k_cache.stride(2);
     p.vc_batch_stride = v_cache.stride(0), p.vc_row_stride = v_cache.stride(1), p.vc_head_stride = v_cache.stride(2);
@@ -411,9 +411,9 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
 // (out, lse (b, h, sq)) of a batched forward whose keys are split into num_splits chunks per query tile (split-KV,
 // for decoding: the chunks fill the GPU where b * h query tiles cannot): tier's forward writes fp32 partials,
 // combine_tier's combine kernel merges them. With block_table, k and v are page pools (num_pages, page_size, hk, d),
-// read in place. Each chunk is masked as the whole call is, so any mask splits exactly. packed_heads > 1: q is GQA-packed
-// (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query. leftpad_k (int32 (b,)):
-// sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not taken
+// read in place. Each chunk is masked as the whole call is, so any mask splits exactly. packed_heads > 1: q is
+// GQA-packed (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query. leftpad_k (int32
+// (b,)): sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not taken
 // (flash_attn_with_kvcache, the caller, passes neither).
 std::tuple<at::Tensor, at::Tensor> fwd_split(
     at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in, std::optional<at::Tensor> const& seqused_k,
@@ -432,24 +432,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     int64_t paged_rows = 0;
     if (block_table.has_value()) {
         auto const& t = *block_table;
-        TORCH_CHECK(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == 2 &&
-                        t.size(0) == q.size(0) && t.stride(1) == 1,
-                    "flash_attention: block_table must be int32 (b, max_blocks) on q's device, rows contiguous");
+        p.block_table = block_table_of(t, q, q.size(0));
         TORCH_CHECK(k.size(0) > 0, "flash_attention: the page pools must hold a page");
         paged_rows = t.size(1) * k.size(1);
-        p.block_table = t.data_ptr<int>();
         p.block_table_stride = t.stride(0);
         p.page_size = int(k.size(1));
         p.num_pages = int(k.size(0));
         if ((p.page_size & (p.page_size - 1)) == 0) { p.page_shift = __builtin_ctz(unsigned(p.page_size)); }
     }
-    if (leftpad_k.has_value()) {
-        auto const& t = *leftpad_k;
-        TORCH_CHECK(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == 1 &&
-                        t.size(0) == q.size(0) && t.stride(0) == 1,
-                    "flash_attention: leftpad_k must be contiguous int32 (b,) on q's device");
-        p.leftpad_k = t.data_ptr<int>();
-    }
+    p.leftpad_k = seq_tensor(leftpad_k, "leftpad_k", q.size(0), q);
     set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, none, seqs, paged_rows);
     auto const fp32 = q.options().dtype(at::kFloat);
     // A decode step GQA-packed (one query row: packed rows (b, group, hk, d)) is written straight into a (b, 1, h, d)

@@ -21,9 +21,17 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
     using Element = typename Traits::Element;
     int const entries = tensor_batches(params);
     auto gmem = [&](void const* ptr, int rows, int heads, int64_t row_stride, int64_t head_stride,
-                    int64_t batch_stride) {
-        return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_shape(rows, params.d, heads, entries),
+                    int64_t batch_stride, int batches) {
+        return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_shape(rows, params.d, heads, batches),
                            make_stride(row_stride, _1{}, head_stride, batch_stride));
+    };
+    // K or V as TMA reads it, a key block at a time: (rows, d, kv heads, batches), batches the entries or the pages.
+    auto tma_kv = [&](void const* ptr, int rows, int64_t row_stride, int64_t head_stride, int64_t batch_stride,
+                      int batches) {
+        return make_tma_copy(SM90_TMA_LOAD{},
+                             gmem(ptr, rows, params.hk, row_stride, head_stride, batch_stride, batches),
+                             take<0, 2>(typename Traits::SmemLayoutKV{}),
+                             Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
     };
     int64_t const num_tiles = tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) *
                               params.h * (params.o_partial != nullptr ? params.num_splits : 1);
@@ -42,18 +50,10 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
         params,
         make_tma_copy(SM90_TMA_LOAD{},
                       gmem(params.q, params.sq, params.h, params.q_row_stride, params.q_head_stride,
-                           params.q_batch_stride),
+                           params.q_batch_stride, entries),
                       typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{}),
-        make_tma_copy(SM90_TMA_LOAD{},
-                      gmem(params.k, params.sk, params.hk, params.k_row_stride, params.k_head_stride,
-                           params.k_batch_stride),
-                      take<0, 2>(typename Traits::SmemLayoutKV{}),
-                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}),
-        make_tma_copy(SM90_TMA_LOAD{},
-                      gmem(params.v, params.sk, params.hk, params.v_row_stride, params.v_head_stride,
-                           params.v_batch_stride),
-                      take<0, 2>(typename Traits::SmemLayoutKV{}),
-                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}),
+        tma_kv(params.k, params.sk, params.k_row_stride, params.k_head_stride, params.k_batch_stride, entries),
+        tma_kv(params.v, params.sk, params.v_row_stride, params.v_head_stride, params.v_batch_stride, entries),
         make_tma_copy(SM90_TMA_STORE{},
                       make_tensor(make_gmem_ptr(static_cast<Element*>(o.ptr)),
                                   make_shape(params.sq, params.d, params.h, entries),
@@ -62,16 +62,11 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
         int(num_tiles),
         1,
         {}};
-    if constexpr (kPaged) {
-        auto pool = [&](void const* ptr, int64_t row_stride, int64_t head_stride, int64_t page_stride) {
-            return make_tma_copy(SM90_TMA_LOAD{},
-                                 make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                                             make_shape(params.page_size, params.d, params.hk, params.num_pages),
-                                             make_stride(row_stride, _1{}, head_stride, page_stride)),
-                                 typename Traits::SmemLayoutKVBox{}, Shape<Int<Traits::kPageBox>, _64>{}, _1{});
-        };
-        args.pages.k = pool(params.k, params.k_row_stride, params.k_head_stride, params.k_batch_stride);
-        args.pages.v = pool(params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride);
+    if constexpr (kPaged) {  // the pools: k and v's batch stride is their page stride
+        args.pages.k = tma_kv(params.k, params.page_size, params.k_row_stride, params.k_head_stride,
+                              params.k_batch_stride, params.num_pages);
+        args.pages.v = tma_kv(params.v, params.page_size, params.v_row_stride, params.v_head_stride,
+                              params.v_batch_stride, params.num_pages);
     }
 
     constexpr int kSmem = Traits::kSmemBytes;

@@ -25,10 +25,11 @@ namespace flash::sm90 {
 
 using namespace cute;
 
-// The page pools of a paged cache as (page rows, head dim, kv heads, pages), read in boxes (kPaged kernels only).
+// The page pools of a paged cache as (page rows, head dim, kv heads, pages): a key block whole in one page loads as
+// from a contiguous cache, its page the batch entry (kPaged kernels only).
 template <class Traits, bool kPaged>
 struct PageTmas {
-    typename Traits::TmaKVPage k, v;
+    typename Traits::TmaKV k, v;
 };
 template <class Traits>
 struct PageTmas<Traits, false> {};
@@ -55,7 +56,7 @@ struct PipelineState {
 
 // Producer (one thread): Q, then K(n) and V(n + 1) for every key block n of the tile, last-first. Rows past the
 // tensor arrive as zeros; rows of the next packed sequence are masked (keys) or zeroed (values, see consume()).
-// kPaged: K and V blocks come box by box from the pages that params.block_table names for their rows.
+// kPaged: each K and V block comes from the page that params.block_table names for its rows.
 template <class Traits, bool kPaged>
 __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args,
                                      typename Traits::SharedStorage& shared,
@@ -96,34 +97,22 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
     state.q_phase ^= 1;
     RingState<Traits::kStages>& k_state = state.k;
     RingState<Traits::kStages>& v_state = state.v;
-    // Block n_block of K or V into stage `stage`, on `full`'s transaction count.
+    // Block n_block of K or V into stage `stage`, on `full`'s transaction count; a paged block from its page.
     auto load_block = [&](auto const& tma, auto const& tXgX, auto const& tXsX, int which, uint64_t& full,
                           int n_block, int stage) {
         if constexpr (kPaged) {
-            constexpr int kBox = Traits::kPageBox;
+            static_assert(kPageMultiple % kBlockN == 0, "a paged key block lies in one page");
             auto const& tma_page = which == 0 ? args.pages.k : args.pages.v;
             Tensor m = tma_page.get_tma_tensor(make_shape(params.page_size, params.d, params.hk, params.num_pages));
-            auto thr = tma_page.get_slice(_0{});
             int const* table = params.block_table + int64_t(seq.batch) * params.block_table_stride;
             int const last_slot = params.sk / params.page_size - 1;  // sk: the table's rows
-            typename Traits::Element* stage_base =
-                (which == 0 ? shared.k.data() : shared.v.data()) + stage * (kBlockN * kHeadDim);
-            CUTE_UNROLL
-            for (int j = 0; j < kBlockN / kBox; ++j) {
-                // A box past the table's rows lies past its (clamped) page's rows: TMA fills it with zeros.
-                int const key = n_block * kBlockN + j * kBox;
-                int const slot =
-                    min(params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size, last_slot);
-                int const page = min(max(table[slot], 0), params.num_pages - 1);
-                int const box = (key - slot * params.page_size) / kBox;
-                CUTE_UNROLL
-                for (int c = 0; c < kHeadDim / 64; ++c) {
-                    Tensor g = local_tile(m(_, _, head_kv, page), Shape<Int<kBox>, _64>{}, make_coord(box, c));
-                    Tensor s = make_tensor(make_smem_ptr(stage_base + c * (kBlockN * 64) + j * (kBox * 64)),
-                                           typename Traits::SmemLayoutKVBox{});
-                    copy(tma_page.with(full, 0, kKeep), thr.partition_S(g), thr.partition_D(s));
-                }
-            }
+            // A block past the table's rows lies past its (clamped) page's rows: TMA fills it with zeros.
+            int const key = n_block * kBlockN;
+            int const slot = min(params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size, last_slot);
+            int const page = min(max(table[slot], 0), params.num_pages - 1);
+            Tensor g = local_tile(m(_, _, head_kv, page), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                  make_coord((key - slot * params.page_size) / kBlockN, _0{}));
+            copy(tma_page.with(full, 0, kKeep), tma_page.get_slice(_0{}).partition_S(g), tXsX(_, _, _, stage));
         } else {
             copy(tma.with(full, 0, kKeep), tXgX(_, _, _, n_block), tXsX(_, _, _, stage));
         }

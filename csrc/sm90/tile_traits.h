@@ -31,8 +31,8 @@ struct FwdTile {
     int block_m, block_n, kv_stages;
 };
 
-// The page sizes that the paged forward reads are multiples of this (the catalog's Kind.page_multiple): a key block
-// of 128 rows then lies in one page, and arrives as the contiguous cache's does, by one TMA box per 64 columns.
+// The page sizes that the paged forward reads are multiples of this (the catalog's Kind.page_multiple): a paged
+// tile's key block (64 or 128 rows) then lies in one page, and arrives as the contiguous cache's does.
 constexpr int kPageMultiple = 128;
 
 template <int kHeadDim_, FwdTile kTile, typename Element_>
@@ -90,15 +90,6 @@ struct FwdTraits {
                                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
     static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
-    // Paged K / V (FwdParams::block_table): a block arrives in boxes of kPageBox rows x 64 columns, each whole in one
-    // page (a power of two dividing both kBlockN and every page size taken) and, in the stage's swizzled layout, a
-    // contiguous run of whole swizzle atoms (the stage's atoms go rows first: column block c starts kBlockN * 64
-    // elements after c - 1). The paged tiles' blocks (64 or 128 rows) take one box per 64 columns, as unpaged.
-    static constexpr int kPageBox = (kBlockN & -kBlockN) < kPageMultiple ? (kBlockN & -kBlockN) : kPageMultiple;
-    static_assert(kPageMultiple % kPageBox == 0 && kBlockN % kPageBox == 0 && kPageBox % 8 == 0);
-    using SmemLayoutKVBox = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kPageBox>, _64>{}));
-    using TmaKVPage = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKVBox{},
-                                             Shape<Int<kPageBox>, _64>{}, _1{}));
 
     // The output tile is staged in shared memory and stored by TMA, one 64-row slab per consumer warpgroup (each
     // slab whole in the swizzled layout TMA reads), so the consumers hand it off in a few hundred cycles: writing it
