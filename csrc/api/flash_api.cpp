@@ -209,12 +209,7 @@ void run(char const* kind, int64_t tier, int64_t kernel_head_dim, at::Tensor con
     cudaStream_t const stream = at::cuda::getCurrentCUDAStream().stream();
     flash::Workspace const ws = kernel->workspace(params, hints);
     at::Tensor workspace;
-    if (ws.bytes > 0) {
-        workspace = at::empty({int64_t(ws.bytes)}, q.options().dtype(at::kByte));
-        if (ws.zeroed_bytes > 0) {
-            C10_CUDA_CHECK(cudaMemsetAsync(workspace.data_ptr(), 0, ws.zeroed_bytes, stream));
-        }
-    }
+    if (ws.bytes > 0) { workspace = at::empty({int64_t(ws.bytes)}, q.options().dtype(at::kByte)); }
     cudaError_t const err = kernel->launch(params, hints, ws.bytes > 0 ? workspace.data_ptr() : nullptr, stream);
     TORCH_CHECK(err == cudaSuccess, "flash_attention: kernel launch failed: ", cudaGetErrorString(err));
 }

@@ -13,8 +13,9 @@
 namespace flash {
 
 // The workspace, one allocation: the fp32 dQ accumulator (rows x kernel head dim, zeroed), when deterministic one int
-// per 16 accumulator rows (zeroed), then the row statistics: D like lse or, per_accum_row, D and lse2 per accumulator
-// row, so that a query tile's statistics are one aligned run that a bulk copy can load (padding rows included).
+// per 16 accumulator rows (zeroed; both by the preprocess kernel, see zero_dq_workspace), then the row statistics: D
+// like lse or, per_accum_row, D and lse2 per accumulator row, so that a query tile's statistics are one aligned run
+// that a bulk copy can load (padding rows included).
 // Accumulator rows: batched, sq rounded up to kBwdRowAlign per (b, h); varlen, per head, total_q plus kBwdRowAlign
 // rows per sequence (see dq_accum_row), rounded up likewise.
 struct BwdWorkspace {
@@ -38,10 +39,7 @@ struct BwdWorkspace {
         lse2_bytes = per_accum_row ? dpsum_bytes : 0;
     }
 
-    Workspace sizes() const {
-        size_t const zeroed = accum_bytes + semaphore_bytes;
-        return {zeroed, zeroed + dpsum_bytes + lse2_bytes};
-    }
+    Workspace sizes() const { return {accum_bytes + semaphore_bytes + dpsum_bytes + lse2_bytes}; }
 
     // params with the workspace's pointers and strides filled in.
     BwdParams bind(BwdParams params, void* workspace) const {
@@ -52,6 +50,7 @@ struct BwdWorkspace {
         params.lse2 = per_accum_row ? params.dpsum + dpsum_bytes / sizeof(float) : nullptr;
         params.dq_accum_head_stride = rows_per_head;
         params.dq_accum_batch_stride = params.cu_seqlens_q != nullptr ? 0 : params.h * rows_per_head;
+        params.dq_zero_words = int64_t((accum_bytes + semaphore_bytes) / 16);
         return params;
     }
 };

@@ -39,9 +39,9 @@ struct LaunchHints {
     int max_seqlen_q, max_seqlen_k;
 };
 
-// Scratch memory a kernel needs beside its operands, in one allocation whose first zeroed_bytes the binding zeroes.
+// Scratch memory a kernel needs beside its operands, in one allocation (uninitialised: a kernel that needs zeros
+// writes them itself, so that a call launches no memset of its own).
 struct Workspace {
-    size_t zeroed_bytes = 0;
     size_t bytes = 0;
 };
 
@@ -50,7 +50,7 @@ struct KernelDescriptor {
     // nullptr when the kernel can run these params, else why not.
     char const* (*unsupported)(Params const&, LaunchHints const&);
     Workspace (*workspace)(Params const&, LaunchHints const&);
-    // workspace: workspace(params, hints).bytes bytes, 256-byte aligned, its zeroed part zeroed.
+    // workspace: workspace(params, hints).bytes bytes, 256-byte aligned.
     cudaError_t (*launch)(Params const&, LaunchHints const&, void* workspace, cudaStream_t);
 };
 
