@@ -481,6 +481,50 @@ def test_decode_compiled_matches_eager_cuda():
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
 
 
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_decode_step_in_cuda_graph(page_size):
+    """A decode step (append of the new token with rotary, then split-KV attention and its combine, which starts
+    beside the forward) captured once in a CUDA graph, then replayed on new inputs written into the captured tensors:
+    each replay gives the eager call's bits and leaves the caches as it does, the step's position moving with
+    cache_seqlens."""
+    require_kernel(128, bf16)
+    require_kernel(128, bf16, "combine")
+    b, h, hk, d, cache_len = 2, 8, 2, 128, 4096
+    cos, sin = rotary_tables(cache_len, 64, "cuda")
+    q = torch.randn(b, 1, h, d, dtype=bf16, device="cuda")
+    k_new, v_new = (torch.randn(b, 1, hk, d, dtype=bf16, device="cuda") for _ in range(2))
+    k_cache, v_cache = (torch.randn(b, cache_len, hk, d, dtype=bf16, device="cuda") for _ in range(2))
+    table = None
+    if page_size:
+        k_cache, v_cache, table = pages_of(k_cache, v_cache, page_size)
+    seqlens = torch.tensor([3000, 4000], dtype=torch.int32, device="cuda")
+
+    def step(k_cache, v_cache):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
+                                       cache_seqlens=seqlens, block_table=table, causal=True, num_splits=0,
+                                       return_softmax_lse=True)
+
+    graph_k, graph_v = k_cache.clone(), v_cache.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: kernels loaded, attributes set, outside the capture
+        step(k_cache.clone(), v_cache.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, graph_lse = step(graph_k, graph_v)
+    graph_k.copy_(k_cache), graph_v.copy_(v_cache)  # undo the capture's own append, if it ran
+    for n in range(3):
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn_like(t))
+        seqlens.copy_(torch.tensor([3000 + n, 4000 + n], dtype=torch.int32))
+        graph.replay()
+        out, lse = step(k_cache, v_cache)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and torch.equal(graph_out, out) and torch.equal(graph_lse, lse), n
+        assert torch.equal(graph_k, k_cache) and torch.equal(graph_v, v_cache), n
 @pytest.mark.parametrize("sq, table, leftpad, packed, tier, expected", [
     (65, None, None, 1, None, "sm90"),          # prefill-shaped, contiguous: the SM90 forward writes the partials
     (65, None, None, 1, "sm80", "sm80"),        # a tier override is kept

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/dependent_launch.h"
 #include "../common/kernel_registry.h"
 #include "../common/kernels/fwd_combine.h"
 #include "../common/params.h"
@@ -15,17 +16,18 @@
 namespace flash::sm80 {
 
 template <int kHeadDim, typename Element>
-cudaError_t run_combine(CombineParams const& params, LaunchHints const&, void*, cudaStream_t stream) {
+cudaError_t run_combine(CombineParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     constexpr int kRowsPerBlock = kCombineWarps * (32 / (kHeadDim / 8));
     int64_t const blocks = (int64_t(params.b) * params.rows * params.h + kRowsPerBlock - 1) / kRowsPerBlock;
     if (blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
     if (blocks == 0) { return cudaSuccess; }
+    unsigned const threads = kCombineWarps * 32;
     if (params.fp32_partials) {
-        fwd_combine_kernel<float, Element, kHeadDim><<<unsigned(blocks), kCombineWarps * 32, 0, stream>>>(params);
-    } else {
-        fwd_combine_kernel<Element, Element, kHeadDim><<<unsigned(blocks), kCombineWarps * 32, 0, stream>>>(params);
+        return launch_after_prior<&fwd_combine_kernel<float, Element, kHeadDim>>(unsigned(blocks), threads, 0, stream,
+                                                                                 hints.device, params);
     }
-    return cudaGetLastError();
+    return launch_after_prior<&fwd_combine_kernel<Element, Element, kHeadDim>>(unsigned(blocks), threads, 0, stream,
+                                                                               hints.device, params);
 }
 
 template <int kHeadDim, typename Element, typename ElementOut>

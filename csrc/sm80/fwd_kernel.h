@@ -17,6 +17,7 @@
 
 #include "../common/block_range.h"
 #include "../common/block_scheduler.h"
+#include "../common/dependent_launch.h"
 #include "../common/mask.h"
 #include "../common/params.h"
 #include "../common/score_mod.h"
@@ -56,6 +57,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
     extern __shared__ __align__(128) char smem[];
     int const tid = threadIdx.x;
+    // A decode kernel's split partials go to the combine, which may then start (and wait) beside this grid.
+    if constexpr (kPackedRows) { allow_dependent_launch(); }
 
     // Query tiles are handed out last-first: under a causal mask the last rows do the most work, so they start in the
     // first wave.

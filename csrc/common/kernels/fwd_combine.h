@@ -4,7 +4,8 @@
 // split's lse, then they exchange); the weights exp(lse_s - max) are computed by every lane of the row from the
 // split's lse (one broadcast load, issued with the partials'), the output accumulated in fp32. A decode step's
 // combine is a few rows against many splits: its time is the chain of load latencies, one round for the max and one
-// per kBatch splits.
+// per kBatch splits. It is launched to start while the forward that writes the partials still runs
+// (dependent_launch.h), so that its launch is not one more step of that chain.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -12,6 +13,7 @@
 
 #include <cmath>
 
+#include "../dependent_launch.h"
 #include "../params.h"
 
 namespace flash {
@@ -45,6 +47,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
     constexpr int kLanesPerRow = kHeadDim / 8;
     constexpr int kRowsPerWarp = 32 / kLanesPerRow;
     static_assert(kHeadDim % 8 == 0 && kLanesPerRow <= 32);
+    wait_for_prior_grid();
     int const lane = threadIdx.x % 32;
     // Rows are whole lane groups, and a group's lanes leave together: the max's exchange below is among them only.
     if (lane >= kRowsPerWarp * kLanesPerRow) { return; }
