@@ -378,11 +378,12 @@ def pages_of(k, v, page_size):
 @pytest.mark.parametrize("splits", [1, 2, 5, 64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("page_size", [None, 1, 3, 16, 128, 256])
-@pytest.mark.parametrize("sq", [3, 130])
+@pytest.mark.parametrize("sq", [3, 9, 130])
 def test_native_split_cuda(d, splits, causal, page_size, sq):
     """The native split-KV forward (fp32 partials, merged by the combine kernel; on Hopper the SM90 forward writes
     them for the prefill-shaped (130 rows), unpacked calls of a contiguous cache or pages of 128 or 256 rows, else
-    the SM80 tier's decode kernel) per
+    the SM80 tier's decode kernels: 16-row tiles whose warps split the keys (3 rows, 9, 3 packed), 64-row tiles (9
+    packed: 36 rows; 130 packed)) per
     sequence against the fp32 reference over its used keys: GQA, an empty sequence (out 0, lse -inf), one key,
     partial key blocks, more splits than key blocks, and a causal mask over several query rows (each chunk is masked
     as the whole call is; rows before the first key see none), with the query heads GQA-packed (each packed row
@@ -525,6 +526,8 @@ def test_decode_step_in_cuda_graph(page_size):
         torch.cuda.synchronize()
         assert torch.isfinite(out).all() and torch.equal(graph_out, out) and torch.equal(graph_lse, lse), n
         assert torch.equal(graph_k, k_cache) and torch.equal(graph_v, v_cache), n
+
+
 @pytest.mark.parametrize("sq, table, leftpad, packed, tier, expected", [
     (65, None, None, 1, None, "sm90"),          # prefill-shaped, contiguous: the SM90 forward writes the partials
     (65, None, None, 1, "sm80", "sm80"),        # a tier override is kept

@@ -50,24 +50,42 @@ __device__ __forceinline__ void store_row_pairs(CoordRC const& coord_rc, FragRC 
     }
 }
 
-// A split-KV CTA's output (normalised by its chunk's own sum) in fp32 and its lse, into split `split` of the
-// partials, straight from registers: each thread holds pairs of adjacent columns. Decode tiles have few
-// (valid) rows, so these stores are few.
-template <class Traits, class TiledMma, class AccO, int kRows>
-__device__ __forceinline__ void store_partial(TiledMma const& tiled_mma, AccO const& acc_o, float const (&lse)[kRows],
-                                              FwdParams const& params, SeqlenInfo const& seq, int m_block, int head,
-                                              int split, int tid) {
+// A tile's output and lse, straight from registers (each thread holds pairs of adjacent columns): for a decode tile
+// of few (valid) rows these stores are few. store_partial: a split-KV CTA's output (normalised by its chunk's own
+// sum) in fp32 and its lse, into split `split` of the partials; store_output_rows: the output in Element and the lse.
+template <class Traits, class TiledMma, class AccO, int kRows, typename Out, class ToOut>
+__device__ __forceinline__ void store_rows(TiledMma const& tiled_mma, AccO const& acc_o, float const (&lse)[kRows],
+                                           float* lse_dest, Out* o, int64_t o_row_stride, FwdParams const& params,
+                                           SeqlenInfo const& seq, int m_block, int head, int tid, ToOut to_out) {
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kHeadDim = Traits::kHeadDim;
     int const row0 = m_block * kBlockM;
     auto const coord_rc = rowcol_view(tiled_mma.get_thread_slice(tid).partition_C(
         cute::make_identity_tensor(cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{})));
-    store_lse(params.lse_partial + split * params.lse_partial_split_stride, coord_rc, lse, params, seq, head, row0);
+    store_lse(lse_dest, coord_rc, lse, params, seq, head, row0);
+    store_row_pairs(coord_rc, rowcol_view(acc_o), o + int64_t(row0) * o_row_stride, o_row_stride, seq.q.len - row0,
+                    params.d, to_out);
+}
+
+template <class Traits, class TiledMma, class AccO, int kRows>
+__device__ __forceinline__ void store_partial(TiledMma const& tiled_mma, AccO const& acc_o, float const (&lse)[kRows],
+                                              FwdParams const& params, SeqlenInfo const& seq, int m_block, int head,
+                                              int split, int tid) {
     float* o = params.o_partial + split * params.o_partial_split_stride +
-               seq.q_offset(params.o_batch_stride, params.o_row_stride, params.o_head_stride, head) +
-               int64_t(row0) * params.o_row_stride;
-    store_row_pairs(coord_rc, rowcol_view(acc_o), o, params.o_row_stride, seq.q.len - row0, params.d,
-                    [](float x) { return x; });
+               seq.q_offset(params.o_batch_stride, params.o_row_stride, params.o_head_stride, head);
+    store_rows<Traits>(tiled_mma, acc_o, lse, params.lse_partial + split * params.lse_partial_split_stride, o,
+                       params.o_row_stride, params, seq, m_block, head, tid, [](float x) { return x; });
+}
+
+template <class Traits, class TiledMma, class AccO, int kRows>
+__device__ __forceinline__ void store_output_rows(TiledMma const& tiled_mma, AccO const& acc_o,
+                                                  float const (&lse)[kRows], FwdParams const& params,
+                                                  SeqlenInfo const& seq, int m_block, int head, int tid) {
+    using Element = typename Traits::Element;
+    Element* o = static_cast<Element*>(params.o) +
+                 seq.q_offset(params.o_batch_stride, params.o_row_stride, params.o_head_stride, head);
+    store_rows<Traits>(tiled_mma, acc_o, lse, params.lse, o, params.o_row_stride, params, seq, m_block, head, tid,
+                       [](float x) { return Element(x); });
 }
 
 }  // namespace flash

@@ -5,6 +5,8 @@
 
 #include <cute/tensor.hpp>
 
+#include <cmath>
+
 #include "../common/epilogue.h"
 #include "../common/params.h"
 #include "../common/seqlen.h"
@@ -65,6 +67,57 @@ __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO con
                                     seq.q.len, params.o_row_stride);
     Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
     store_tile<Traits>(tiled_mma, acc_o, sO, gO, seq.q.len - row0, params.d, tid);
+}
+
+// Warps over keys (FwdTile::warps_over_keys): each warp holds the normalised output and the lse of its share of the
+// keys for the tile's rows, in the same fragment layout (one warp's MMA, by lane). Merged into warp 0's registers,
+// as the combine merges splits: lse = log sum_w exp(lse_w), O = sum_w exp(lse_w - lse) O_w (a warp that saw no key
+// of a row, lse_w = -inf, weighs 0). Returns false in the other warps, which are then done. Takes shared memory that
+// the main loop's operands used.
+template <int kWarps, class AccO, int kRows>
+__device__ __forceinline__ bool merge_warp_outputs(AccO& acc_o, float (&lse)[kRows], char* smem, int tid) {
+    constexpr int kValues = decltype(size(acc_o))::value;
+    constexpr int kTileRows = 8 * kRows;  // an m16 tile: lane / 4 + 8 r
+    float* s_lse = reinterpret_cast<float*>(smem);  // [warp][row]
+    float* s_o = s_lse + kWarps * kTileRows;        // [warp - 1][value][lane]: conflict-free
+    int const warp = tid / 32, lane = tid % 32;
+    __syncthreads();  // every warp is done with the operands
+    if (lane % 4 == 0) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) { s_lse[warp * kTileRows + lane / 4 + 8 * r] = lse[r]; }
+    }
+    __syncthreads();
+    auto acc_rc = rowcol_view(acc_o);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+        int const row = lane / 4 + 8 * r;
+        float top = -INFINITY;
+        CUTE_UNROLL
+        for (int w = 0; w < kWarps; ++w) { top = fmaxf(top, s_lse[w * kTileRows + row]); }
+        float total = -INFINITY;
+        if (top != -INFINITY) {
+            float sum = 0.f;
+            CUTE_UNROLL
+            for (int w = 0; w < kWarps; ++w) { sum += __expf(s_lse[w * kTileRows + row] - top); }
+            total = top + __logf(sum);
+        }
+        float const weight = lse[r] == -INFINITY ? 0.f : __expf(lse[r] - total);  // NaN stays NaN
+        lse[r] = total;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(acc_rc); ++c) { acc_rc(r, c) *= weight; }
+    }
+    if (warp > 0) {
+        CUTE_UNROLL
+        for (int i = 0; i < kValues; ++i) { s_o[((warp - 1) * kValues + i) * 32 + lane] = acc_o(i); }
+    }
+    __syncthreads();
+    if (warp > 0) { return false; }
+    CUTE_UNROLL
+    for (int w = 1; w < kWarps; ++w) {
+        CUTE_UNROLL
+        for (int i = 0; i < kValues; ++i) { acc_o(i) += s_o[((w - 1) * kValues + i) * 32 + lane]; }
+    }
+    return true;
 }
 
 }  // namespace flash::sm80

@@ -10,6 +10,9 @@
 //   block: wait K -> barrier -> issue V(i) -> S = Q K^T -> wait V -> barrier -> issue K(i + 1) -> softmax ->
 //   O += P V. Each load hides behind the other GEMM; the smaller footprint lets two CTAs share an SM, so one CTA's
 //   prologue and epilogue overlap the other's loop.
+// Warps split the rows (16 or more each), or, in the 16-row decode tile (FwdTile::warps_over_keys), each key block:
+// warp w multiplies its own keys with its own softmax state and output, merged across the warps after the loop
+// (merge_warp_outputs), so that a few query rows cost a quarter of the MMA and ldmatrix work per key.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -51,6 +54,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kStages = Traits::kStages;
+    constexpr int kNWarps = Traits::kNThreads / 32;
     constexpr int kPrefetch = kStages - 1;
     // One K and one V buffer, loads alternating with the two GEMMs (not split-KV, which splits the keys across CTAs).
     constexpr bool kAlternatingKV = kStages == 1;
@@ -86,7 +90,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(tid);
-    Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    // The output's MMA: the CTA's, or over keys each warp's own (by lane).
+    typename Traits::TiledMmaO tiled_mma_o;
+    int const o_tid = Traits::kWarpsOverKeys ? tid % 32 : tid;
+    Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(acc_o);
     auto acc_o_rc = rowcol_view(acc_o);
     constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
@@ -114,7 +121,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         // (N, D, stage)
         Tensor sK = make_tensor(sQ.data() + Int<Traits::kSmemQElems>{}, typename Traits::SmemLayoutKV{});
         Tensor sV = make_tensor(sK.data() + Int<Traits::kSmemKVElems>{}, typename Traits::SmemLayoutKV{});
-        Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});  // (D, N, stage)
+        // (D, N, stage); over keys (D, N of a warp, (warp, stage)), see v_stage.
+        Tensor sVt = [&] {
+            if constexpr (Traits::kWarpsOverKeys) {
+                return make_tensor(sV.data(), typename Traits::SmemLayoutVtWarps{});
+            } else {
+                return make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+            }
+        }();
 
         typename Traits::GmemTiledCopyQKV gmem_copy;
         auto gmem_thr = gmem_copy.get_thread_slice(tid);
@@ -170,13 +184,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
         Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
         Tensor tSrK = thr_mma.partition_fragment_B(sK(_, _, 0));
-        Tensor tOrVt = thr_mma.partition_fragment_B(sVt(_, _, 0));
+        Tensor tOrVt = tiled_mma_o.get_thread_slice(o_tid).partition_fragment_B(sVt(_, _, 0));
         auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
         auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
-        auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+        auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_o);
         auto const tSsQ = make_xor_operand(smem_copy_q.get_thread_slice(tid), sQ);
         auto const tSsK = make_xor_operand(smem_copy_k.get_thread_slice(tid), sK);    // (CPY, N, K, stage)
-        auto const tOsVt = make_xor_operand(smem_copy_v.get_thread_slice(tid), sVt);  // (CPY, D, N, stage)
+        auto const tOsVt = make_xor_operand(smem_copy_v.get_thread_slice(o_tid), sVt);  // (CPY, D, N, stage)
 
         Tensor coord_s_rc =
             rowcol_view(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
@@ -229,7 +243,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
                 Tensor rP = convert_fragment<Element>(acc_s);
                 Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
-                gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt.stage(stage), smem_copy_v, tid);
+                int const v_stage = Traits::kWarpsOverKeys ? tid / 32 + kNWarps * stage : stage;
+                gemm_rs(tiled_mma_o, acc_o, tOrP, tOrVt, tOsVt.stage(v_stage), smem_copy_v, o_tid);
             }
         };
         if (params.has_softcap || params.alibi_slopes != nullptr) {
@@ -242,14 +257,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
     float lse[kRows];
     softmax.finalize(acc_o_rc, params.logit_scale, lse);
+    if constexpr (Traits::kWarpsOverKeys) {
+        if (!merge_warp_outputs<kNWarps>(acc_o, lse, smem, tid)) { return; }  // warp 0 stores
+    }
     TileCoord const out_blk = decode(block_index_reread());
+    int const store_tid = Traits::kWarpsOverKeys ? thread_index_reread() % 32 : thread_index_reread();
     if (params.o_partial != nullptr) {
-        store_partial<Traits>(tiled_mma, acc_o, lse, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
-                              out_blk.head, int(blockIdx.y), thread_index_reread());
+        store_partial<Traits>(tiled_mma_o, acc_o, lse, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
+                              out_blk.head, int(blockIdx.y), store_tid);
         return;
     }
-    store_output<Traits>(tiled_mma, acc_o, lse, smem, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
-                         out_blk.head, thread_index_reread());
+    if constexpr (Traits::kWarpsOverKeys) {
+        store_output_rows<Traits>(tiled_mma_o, acc_o, lse, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
+                                  out_blk.head, store_tid);
+    } else {
+        store_output<Traits>(tiled_mma, acc_o, lse, smem, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
+                             out_blk.head, store_tid);
+    }
 }
 
 }  // namespace flash::sm80

@@ -62,21 +62,29 @@ cudaError_t launch_by_tile_length(FwdParams const& params, LaunchHints const& hi
 // left-padded calls, which only these kernels take) take one tile per head dim:
 // few query rows (GQA-packed) over many keys, so 64-row tiles (16 rows per warp, the least wasted MMA work) and wide
 // key blocks, whose loads put the most bytes in flight per CTA (FlashAttention-2's split-KV tile; H100, RESULTS.md).
-template <int kHeadDim, typename Element>
+// Calls of at most 16 (packed) rows, a decode step's, take a 16-row tile whose warps split the keys: a 64-row tile's
+// warps would each multiply (and read from shared memory) the whole key block for rows that are mostly padding.
+template <int kHeadDim, typename Element, int kRows>
 using DecodeTraits =
     FwdTraits<kHeadDim,
-              kHeadDim <= 128 ? FwdTile{.block_m = 64, .block_n = 128, .warps = 4, .kv_stages = 1}
-                              : FwdTile{.block_m = 64, .block_n = 64, .warps = 4, .kv_stages = 1},
+              FwdTile{.block_m = kRows, .block_n = kHeadDim <= 128 ? 128 : 64, .warps = 4, .kv_stages = 1,
+                      .warps_over_keys = kRows == 16},
               Element>;
+
+template <int kHeadDim, typename Element, bool kPaged>
+cudaError_t launch_decode(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
+    if (hints.max_seqlen_q <= 16) {
+        return launch_fwd<DecodeTraits<kHeadDim, Element, 16>, kPaged, true>(params, hints, stream);
+    }
+    return launch_fwd<DecodeTraits<kHeadDim, Element, 64>, kPaged, true>(params, hints, stream);
+}
 
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
-    if (params.block_table != nullptr) {
-        return launch_fwd<DecodeTraits<kHeadDim, Element>, true, true>(params, hints, stream);
-    }
+    if (params.block_table != nullptr) { return launch_decode<kHeadDim, Element, true>(params, hints, stream); }
     if (params.o_partial != nullptr || params.packed_heads > 1 || params.leftpad_k != nullptr ||
         hints.max_seqlen_q <= 64) {
-        return launch_fwd<DecodeTraits<kHeadDim, Element>, false, true>(params, hints, stream);
+        return launch_decode<kHeadDim, Element, false>(params, hints, stream);
     }
     if constexpr (kHeadDim == 32) {
         return launch_fwd<FwdTraits<32, FwdTile{.block_m = 128, .block_n = 64, .warps = 4, .kv_stages = 3}, Element>>(

@@ -70,9 +70,12 @@ struct TileBase {
 
 // A forward tile: block_m query rows over `warps` warps, key blocks of block_n columns, and a K/V ring of kv_stages
 // blocks (block n + kv_stages - 1 is loading while block n is consumed; 1: single K and V buffers whose loads
-// alternate with the two GEMMs, see fwd_kernel.h).
+// alternate with the two GEMMs, see fwd_kernel.h). warps_over_keys: the warps split each key block instead of the
+// rows (block_m = 16, one MMA row tile), each keeping its own softmax state and output, merged at the end: a decode
+// tile of few query rows then does a quarter of the MMA and shared-memory work per key that 16-row warps would.
 struct FwdTile {
     int block_m, block_n, warps, kv_stages;
+    bool warps_over_keys = false;
 };
 
 template <int kHeadDim_, FwdTile kTile, typename Element_>
@@ -86,18 +89,38 @@ struct FwdTraits : TileBase<kHeadDim_, kTile.warps, Element_> {
     static constexpr int kNThreads = Base::kNThreads;
     static constexpr int kStages = kTile.kv_stages;
     static_assert(kStages >= 1);
-    static_assert(kBlockM % (16 * kTile.warps) == 0, "each warp owns whole 16-row MMA tiles");
+    static constexpr bool kWarpsOverKeys = kTile.warps_over_keys;
+    static_assert(kWarpsOverKeys ? kBlockM == 16 && kBlockN % (16 * kTile.warps) == 0
+                                 : kBlockM % (16 * kTile.warps) == 0, "each warp owns whole 16-row MMA tiles");
     static_assert(kBlockN % 32 == 0);
 
-    // Warps tile M, each owning kBlockM / kNWarps rows, so the softmax of a row stays inside one warp (a quad of
-    // lanes).
-    using TiledMma = TiledMMA<MMA_Atom<typename Base::MmaOp>, Layout<Shape<Int<kTile.warps>, _1, _1>>,
-                              Tile<Int<16 * kTile.warps>, _16, _16>>;
+    // S = Q K^T. Warps tile M, each owning kBlockM / kNWarps rows, so the softmax of a row stays inside one warp (a
+    // quad of lanes); or, over keys, warp w owns columns 16 w + [0, 16) of every 16 * warps (the N permutation maps
+    // the MMA's n = c + 8 (w + warps j) to c + 16 w + 8 j, j < 2: one ldmatrix.x4 per 16 keys), and its softmax
+    // covers those columns alone.
+    using TiledMma = std::conditional_t<
+        kWarpsOverKeys,
+        TiledMMA<MMA_Atom<typename Base::MmaOp>, Layout<Shape<_1, Int<kTile.warps>, _1>>,
+                 Tile<_16, Layout<Shape<_8, Int<kTile.warps>, _2>, Stride<_1, _16, _8>>, _16>>,
+        TiledMMA<MMA_Atom<typename Base::MmaOp>, Layout<Shape<Int<kTile.warps>, _1, _1>>,
+                 Tile<Int<16 * kTile.warps>, _16, _16>>>;
+    // O += P V: the same warps, or over keys one warp's MMA per warp (its P times its keys' rows of V, into an output
+    // of its own).
+    using TiledMmaO = std::conditional_t<
+        kWarpsOverKeys, TiledMMA<MMA_Atom<typename Base::MmaOp>, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>,
+        TiledMma>;
 
     using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-    // V seen as (d, n, stage): the B operand of O = P V, read with transposing ldmatrix.
+    // V seen as (d, n, stage): the B operand of O = P V, read with transposing ldmatrix; over keys as (d, a warp's
+    // keys (16 of every 16 * warps), (warp, stage)), so that a warp's keys are a trailing index like a stage.
     using SmemLayoutVt = decltype(transposed_view(SmemLayoutKV{}));
+    static constexpr int kKeyGroups = kBlockN / (16 * kTile.warps);
+    using SmemLayoutVtWarps = decltype(composition(
+        SmemLayoutVt{},
+        make_layout(Shape<Int<kHeadDim>, Shape<_16, Int<kKeyGroups>>, Shape<Int<kTile.warps>, Int<kStages>>>{},
+                    Stride<_1, Stride<Int<kHeadDim>, Int<kHeadDim * 16 * kTile.warps>>,
+                           Stride<Int<kHeadDim * 16>, Int<kHeadDim * kBlockN>>>{})));
 
     static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
     static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
