@@ -1,10 +1,10 @@
 // Combine of split-KV partials (CombineParams), for every tier: each row (batch, row, head) is read by kHeadDim / 8
 // lanes of a warp, 8 values each per split (16 bytes of 16-bit partials, 32 of fp32 ones), so that a warp takes
-// 32 / (kHeadDim / 8) rows. The row's lse max is taken by its lanes together (each reads every kHeadDim / 8-th
-// split's lse, then they exchange); the weights exp(lse_s - max) are computed by every lane of the row from the
-// split's lse (one broadcast load, issued with the partials'), the output accumulated in fp32. A decode step's
-// combine is a few rows against many splits: its time is the chain of load latencies, one round for the max and one
-// per kBatch splits. It is launched to start while the forward that writes the partials still runs
+// 32 / (kHeadDim / 8) rows. Splits are merged online, kBatch at a time: every lane of a row loads the batch's lse
+// values (broadcast loads) together with its partials, then rescales what it has summed to the new running max, as
+// the forward's softmax does over key blocks. A decode step's combine is a few rows against many splits, so its time
+// is the chain of load latencies: one round per kBatch splits (a decode step's 16 or fewer: one round), with no
+// separate round for the max. It is launched to start while the forward that writes the partials still runs
 // (dependent_launch.h), so that its launch is not one more step of that chain.
 #pragma once
 
@@ -19,7 +19,7 @@
 namespace flash {
 
 constexpr int kCombineWarps = 4;
-constexpr int kBatch = 8;  // splits whose loads are in flight at once
+constexpr int kBatch = 16;  // splits whose loads are in flight at once
 
 // Eight values moved in 16-byte accesses: the compiler does not merge an Array's 4-byte storage words into one.
 template <typename T>
@@ -49,8 +49,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
     static_assert(kHeadDim % 8 == 0 && kLanesPerRow <= 32);
     wait_for_prior_grid();
     int const lane = threadIdx.x % 32;
-    // Rows are whole lane groups, and a group's lanes leave together: the max's exchange below is among them only.
-    if (lane >= kRowsPerWarp * kLanesPerRow) { return; }
+    if (lane >= kRowsPerWarp * kLanesPerRow) { return; }  // past the warp's last whole row
     int64_t const id = (int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / 32) * kRowsPerWarp + lane / kLanesPerRow;
     if (id >= int64_t(p.b) * p.rows * p.h) { return; }
     int const head = int(id % p.h);
@@ -60,43 +59,45 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
     int const col = sub * 8;
 
     float const* lse = p.lse_partial + batch * p.lp_batch_stride + row * p.lp_row_stride + head * p.lp_head_stride;
-    float top = -INFINITY;
-    for (int s = sub; s < p.splits; s += kLanesPerRow) { top = fmaxf(top, lse[s * p.lp_split_stride]); }
-    int const first = lane - sub;
-    unsigned const row_lanes =
-        kLanesPerRow == 32 ? 0xffffffffu : ((1u << (kLanesPerRow % 32)) - 1u) << first;
-    CUTE_UNROLL
-    for (int i = 0; i < kLanesPerRow; ++i) { top = fmaxf(top, __shfl_sync(row_lanes, top, first + i)); }
-    float const base = top == -INFINITY ? 0.f : top;  // no split saw a key: weights 0, not NaN
-    // Splits are read kBatch at a time, all loads issued before any is used: one at a time, each load's latency
-    // would add up over the splits.
-    auto lse_of = [&](int s) { return s < p.splits ? lse[s * p.lp_split_stride] : -INFINITY; };
-
     cutlass::NumericArrayConverter<float, Partial, 8> to_float;
     auto const* partial = static_cast<Partial const*>(p.out_partial) + batch * p.op_batch_stride +
                           row * p.op_row_stride + head * p.op_head_stride + col;
     bool const active = col < p.d;
     cutlass::Array<float, 8> acc;
     acc.fill(0.f);
-    float sum = 0.f;
+    float top = -INFINITY;  // running max of the lse values (-inf: no split has seen a key yet)
+    float sum = 0.f;        // sum of exp(lse_s - top)
     for (int s0 = 0; s0 < p.splits; s0 += kBatch) {
-        float w[kBatch];
+        // All of the batch's loads are issued before any is used: one at a time, their latencies would add up.
+        float l[kBatch];
         cutlass::Array<Partial, 8> v[kBatch];
         CUTE_UNROLL
         for (int i = 0; i < kBatch; ++i) {
-            w[i] = __expf(lse_of(s0 + i) - base);  // a NaN lse makes the row NaN; a missing split weighs 0
-            if (active && s0 + i < p.splits) { v[i] = load8(partial + (s0 + i) * p.op_split_stride); }
+            bool const here = s0 + i < p.splits;
+            l[i] = here ? lse[(s0 + i) * p.lp_split_stride] : -INFINITY;  // a missing split weighs 0
+            if (active && here) { v[i] = load8(partial + (s0 + i) * p.op_split_stride); }
         }
+        float new_top = top;
+        CUTE_UNROLL
+        for (int i = 0; i < kBatch; ++i) { new_top = fmaxf(new_top, l[i]); }
+        float const base = new_top == -INFINITY ? 0.f : new_top;  // no split saw a key: weights 0, not NaN
+        float const shrink = __expf(top - base);                  // 0 on the first batch (top = -inf)
+        sum *= shrink;
+        CUTE_UNROLL
+        for (int j = 0; j < 8; ++j) { acc[j] *= shrink; }
         CUTE_UNROLL
         for (int i = 0; i < kBatch; ++i) {
-            sum += w[i];
+            float const w = __expf(l[i] - base);  // a NaN lse makes the row NaN
+            sum += w;
             if (active && s0 + i < p.splits) {
                 auto const x = to_float(v[i]);
                 CUTE_UNROLL
-                for (int j = 0; j < 8; ++j) { acc[j] += w[i] * x[j]; }
+                for (int j = 0; j < 8; ++j) { acc[j] += w * x[j]; }
             }
         }
+        top = new_top;
     }
+    float const base = top == -INFINITY ? 0.f : top;
     float const inv = sum > 0.f ? 1.f / sum : 0.f;
     if (active) {
         CUTE_UNROLL
