@@ -206,13 +206,20 @@ def append_kv(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_id
     return ext.append_kv(q, k_cache, v_cache, k, v, cos, sin, *contiguous, interleaved, q_steps, kernel_dim, tier_id)
 
 
-def split_count(num_splits: int, tiles: int, keys: int, device: torch.device) -> int:
+def decode_ctas_per_sm(head_dim: int, rows: int) -> int:
+    """CTAs of the SM80 decode kernel that one SM holds, by registers: the 16-row tile (rows <= 16) at head dim 64 or
+    less uses 163 registers a thread (three CTAs of 128 threads), the other tiles over 200 (two); ptxas, sm_90."""
+    return 3 if rows <= 16 and head_dim <= 64 else 2
+
+
+def split_count(num_splits: int, tiles: int, keys: int, device: torch.device, ctas_per_sm: int = 2) -> int:
     """Key chunks per sequence for fwd_split: num_splits when given (at most one per key); with 0, as many as keep
-    query tiles x chunks within one wave of two CTAs per SM (a decode tile's K/V loads need two to keep HBM busy; a
-    second, partial wave costs more than fewer chunks), chunks of at least 512 keys, at most 64 (H100, RESULTS.md)."""
+    query tiles x chunks within one wave of ctas_per_sm CTAs per SM (decode_ctas_per_sm: a decode tile's K/V loads need
+    every CTA an SM holds to keep HBM busy; a second, partial wave costs more than fewer chunks), chunks of at least
+    512 keys, at most 64 (H100 and H200, RESULTS.md)."""
     if num_splits > 0:
         return max(1, min(num_splits, keys, 256))
-    return max(1, min(2 * _sm_count(device) // max(tiles, 1), keys // 512, 64))
+    return max(1, min(ctas_per_sm * _sm_count(device) // max(tiles, 1), keys // 512, 64))
 
 
 @functools.lru_cache(maxsize=None)

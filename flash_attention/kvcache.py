@@ -270,7 +270,7 @@ def flash_attn_with_kvcache(
         else:
             keys, values, table = (_cache_rows(k_cache, None, cache_batch_idx, b),
                                    _cache_rows(v_cache, None, cache_batch_idx, b), None)
-        splits = _ops.split_count(num_splits, tiles, cache_len, q.device)
+        splits = _ops.split_count(num_splits, tiles, cache_len, q.device, _ops.decode_ctas_per_sm(d, rows))
         leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
         out, lse = _ops.split_attention(q, keys, values, used, table, leftpad, scale, *window, cap, splits,
                                         group if pack else 1, tier)
