@@ -126,6 +126,8 @@ struct FwdTraits : TileBase<kHeadDim_, kTile.warps, Element_> {
     static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
     // Q, then K stages, then V stages; the output tile reuses Q's space.
     static constexpr int kSmemBytes = (kSmemQElems + 2 * kSmemKVElems) * int(sizeof(Element));
+    // Over keys, merge_warp_outputs takes every warp's lse and all but one warp's fp32 output from that space.
+    static_assert(!kWarpsOverKeys || (16 * kTile.warps + (kTile.warps - 1) * 16 * kHeadDim) * 4 <= kSmemBytes);
 };
 
 // A backward tile: one CTA owns block_n keys and walks block_m-row query tiles with `warps` warps. Five GEMMs per
