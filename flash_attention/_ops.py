@@ -212,14 +212,18 @@ def decode_ctas_per_sm(head_dim: int, rows: int) -> int:
     return 3 if rows <= 16 and head_dim <= 64 else 2
 
 
-def split_count(num_splits: int, tiles: int, keys: int, device: torch.device, ctas_per_sm: int = 2) -> int:
-    """Key chunks per sequence for fwd_split: num_splits when given (at most one per key); with 0, as many as keep
-    query tiles x chunks within one wave of ctas_per_sm CTAs per SM (decode_ctas_per_sm: a decode tile's K/V loads need
-    every CTA an SM holds to keep HBM busy; a second, partial wave costs more than fewer chunks), chunks of at least
-    512 keys, at most 64 (H100 and H200, RESULTS.md)."""
+def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int,
+                device: torch.device) -> int:
+    """Key chunks per sequence for fwd_split of b sequences of `rows` query rows (GQA-packed or not) over `heads`
+    heads: num_splits when given (at most one per key); with 0, as many as keep the query tiles (one per 64 rows) x
+    chunks within one wave of the decode kernel's CTAs (decode_ctas_per_sm: its K/V loads need every CTA an SM holds
+    to keep HBM busy; a second, partial wave costs more than fewer chunks), chunks of at least 512 keys, at most 64
+    (H100 and H200, RESULTS.md)."""
     if num_splits > 0:
         return max(1, min(num_splits, keys, 256))
-    return max(1, min(ctas_per_sm * _sm_count(device) // max(tiles, 1), keys // 512, 64))
+    tiles = b * heads * -(-rows // 64)
+    waves = decode_ctas_per_sm(head_dim, rows) * _sm_count(device)
+    return max(1, min(waves // max(tiles, 1), keys // 512, 64))
 
 
 @functools.lru_cache(maxsize=None)

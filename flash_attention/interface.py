@@ -125,8 +125,7 @@ def _decode_forward(q, k, v, softmax_scale, window, softcap, tier):
     hk = k.shape[2]
     group = h // hk
     packed = pack_gqa(q, hk) if group > 1 else q
-    splits = _ops.split_count(0, b * hk * -(-sq * group // 64), k.shape[1], q.device,
-                              _ops.decode_ctas_per_sm(d, sq * group))
+    splits = _ops.split_count(0, b, hk, sq * group, k.shape[1], d, q.device)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     out, lse = _ops.split_attention(packed, k, v, None, None, None, scale, *window, softcap, splits, group, tier)
     return unpack_gqa(out, lse, sq) if group > 1 else (out, lse)

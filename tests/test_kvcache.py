@@ -528,22 +528,21 @@ def test_decode_step_in_cuda_graph(page_size):
         assert torch.equal(graph_k, k_cache) and torch.equal(graph_v, v_cache), n
 
 
-@pytest.mark.parametrize("tiles, keys, d, rows, expected", [
-    (128, 4096, 64, 1, 3),     # d 64, one row: three 16-row CTAs per SM (H200 sweep: 38.6 us at 3 chunks, 42.2 at 2)
-    (64, 4096, 128, 4, 4),     # d 128: two per SM
-    (128, 4096, 64, 32, 2),    # 32 rows: the 64-row tile, two per SM
-    (8, 8192, 128, 4, 16),     # few tiles: chunks of at least 512 keys
-    (512, 2048, 128, 8, 1),    # the tiles fill the GPU already
-    (1, 1 << 17, 128, 8, 64),  # at most 64 chunks
+@pytest.mark.parametrize("b, heads, rows, keys, d, expected", [
+    (8, 16, 1, 4096, 64, 3),     # d 64, one row: three 16-row CTAs per SM (H200 sweep: 38.6 us at 3 chunks, 42.2 at 2)
+    (8, 8, 4, 4096, 128, 4),     # d 128: two per SM
+    (8, 16, 32, 4096, 64, 2),    # 32 rows: the 64-row tile, two per SM
+    (1, 8, 4, 8192, 128, 16),    # few tiles: chunks of at least 512 keys
+    (64, 8, 8, 2048, 128, 1),    # the tiles fill the GPU already
+    (1, 1, 8, 1 << 17, 128, 64),  # at most 64 chunks
 ])
-def test_split_count_fills_one_wave(monkeypatch, tiles, keys, d, rows, expected):
+def test_split_count_fills_one_wave(monkeypatch, b, heads, rows, keys, d, expected):
     """num_splits=0 picks as many key chunks as fill one wave of the decode kernel's CTAs (132 SMs here), by the
     tile's occupancy."""
     from flash_attention import _ops
     monkeypatch.setattr(_ops, "_sm_count", lambda device: 132)
-    ctas = _ops.decode_ctas_per_sm(d, rows)
-    assert _ops.split_count(0, tiles, keys, torch.device("cpu"), ctas) == expected
-    assert _ops.split_count(5, tiles, keys, torch.device("cpu"), ctas) == 5
+    assert _ops.split_count(0, b, heads, rows, keys, d, torch.device("cpu")) == expected
+    assert _ops.split_count(5, b, heads, rows, keys, d, torch.device("cpu")) == 5
 
 
 @pytest.mark.parametrize("sq, table, leftpad, packed, tier, expected", [

@@ -55,8 +55,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
     int const head = int(id % p.h);
     int const row = int(id / p.h % p.rows);
     int const batch = int(id / p.h / p.rows);
-    int const sub = lane % kLanesPerRow;
-    int const col = sub * 8;
+    int const col = lane % kLanesPerRow * 8;
 
     float const* lse = p.lse_partial + batch * p.lp_batch_stride + row * p.lp_row_stride + head * p.lp_head_stride;
     cutlass::NumericArrayConverter<float, Partial, 8> to_float;
