@@ -3,6 +3,7 @@
 // 65535 limit on heads or batch.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "seqlen.h"
@@ -18,6 +19,14 @@ struct TileCoord {
 // sequences' ceil(len / block) sum to at most (total + b * (block - 1)) / block.
 inline int64_t tile_count(int rows, int b, int block, bool varlen) {
     return varlen ? (int64_t(rows) + int64_t(b) * (block - 1)) / block : int64_t(b) * ((rows + block - 1) / block);
+}
+
+// Host: decode_tile's section, the largest power of two of (batch, head) pairs at most `fit` (as many as keep the
+// operands they share in L2) and at most `pairs`.
+inline int l2_section(int64_t fit, int64_t pairs) {
+    int section = 1;
+    while (2 * int64_t(section) <= std::min(fit, pairs)) { section *= 2; }
+    return section;
 }
 
 // Tile idx of blocks of kBlock rows (queries in the forward, keys in the backward), `reverse` handing each

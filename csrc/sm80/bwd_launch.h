@@ -25,14 +25,15 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
     using Element = typename Traits::Element;
     bool const varlen = params.cu_seqlens_q != nullptr;
     int64_t const rows = int64_t(tensor_batches(params)) * params.sq * params.h;
-    int64_t const pre_blocks = (rows + kPreprocessWarps - 1) / kPreprocessWarps;
+    constexpr int kPreRows = RowGroup<Traits::kHeadDim>::kRowsPerCta;
+    int64_t const pre_blocks = (rows + kPreRows - 1) / kPreRows;
     int64_t const main_blocks = tile_count(params.sk, params.b, Traits::kBlockN, varlen) * params.hk;
     int64_t const convert_blocks = tile_count(params.sq, params.b, Traits::kBlockM, varlen) * params.h;
     if (pre_blocks > INT_MAX || main_blocks > INT_MAX || convert_blocks > INT_MAX) {
         return cudaErrorInvalidConfiguration;
     }
 
-    bwd_preprocess_kernel<Element><<<unsigned(pre_blocks), kPreprocessWarps * 32, 0, stream>>>(params);
+    bwd_preprocess_kernel<Element, Traits::kHeadDim><<<unsigned(pre_blocks), kPreprocessThreads, 0, stream>>>(params);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
 
     if (cudaError_t err = allow_smem<&bwd_kernel<Traits>>(Traits::kSmemBytes, hints.device); err != cudaSuccess) {

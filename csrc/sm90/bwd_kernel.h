@@ -87,11 +87,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
     int const tid = threadIdx.x;
 
-    // Under a causal mask the first key blocks see the most query blocks, so ascending order starts the longest first;
-    // the deterministic dQ order hands them out last-first instead (launch order = accumulation order).
+    // Under a causal mask the first key blocks see the most query blocks, so ascending order starts the longest first
+    // (across args.section pairs); the deterministic dQ order hands them out last-first instead (launch order =
+    // accumulation order).
     bool const reverse = params.deterministic && params.window_right >= 0;
     TileCoord const blk = decode_tile<kBlockN>(blockIdx.x, params.cu_seqlens_k, params.seqused_k, params.sk, params.b,
-                                               params.hk, reverse);
+                                               params.hk, reverse, args.section);
     if (!blk.valid) { return; }
     SeqlenInfo const seq(params, blk.batch);
     AttnWindow const window = seq.window(params);

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <type_traits>
@@ -32,8 +33,8 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
         return cudaErrorInvalidConfiguration;
     }
 
-    bwd_preprocess_tiles_kernel<Element, kBlockM>
-        <<<unsigned(convert_blocks), kPreprocessWarps * 32, 0, stream>>>(params);
+    bwd_preprocess_tiles_kernel<Element, kBlockM, kHeadDim>
+        <<<unsigned(convert_blocks), kPreprocessThreads, 0, stream>>>(params);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
 
     auto gmem = [&](void const* ptr, int rows_, int heads, int64_t row_stride, int64_t head_stride,
@@ -74,6 +75,13 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
         tma_store_rows(params.dv, params.dv_row_stride, params.dv_head_stride, params.dv_batch_stride,
                        typename Traits::SmemLayoutV{})};
 
+    // Causal key blocks differ in length: longest first across the (batch, kv head) pairs whose Q and dO fit in L2
+    // together, so that the last CTAs to start are the shortest.
+    if (params.window_right >= 0 && !params.deterministic && !varlen) {
+        int64_t const pair_bytes = 2 * int64_t(params.sq) * params.d * int64_t(sizeof(Element)) * params.h_per_hk;
+        args.section = l2_section(std::max<int64_t>(1, hints.l2_bytes / std::max<int64_t>(pair_bytes, 1)),
+                                  int64_t(params.b) * params.hk);
+    }
     constexpr int kSmem = Traits::kSmemBytes;
     if (cudaError_t err = allow_smem<&bwd_kernel<Traits>>(kSmem, hints.device); err != cudaSuccess) { return err; }
     bwd_kernel<Traits><<<unsigned(main_blocks), Traits::kNThreads, kSmem, stream>>>(args);

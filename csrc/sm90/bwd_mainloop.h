@@ -43,6 +43,7 @@ struct BwdKernelParams {
     typename Traits::TmaV tma_v;
     typename Traits::TmadK tma_dk;
     typename Traits::TmadV tma_dv;
+    int section = 1;  // decode_tile's (batch, kv head) pairs taken together
 };
 
 // The CTA's work: key block blk.block of kv head blk.head in sequence blk.batch, and the query blocks m_range that see

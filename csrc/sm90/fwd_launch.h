@@ -87,9 +87,7 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
         int64_t const kv_bytes = 2 * int64_t(params.sk) * params.d * int64_t(sizeof(Element));
         int64_t const pairs =
             std::max<int64_t>(1, int64_t(hints.l2_bytes) * params.h_per_hk / std::max<int64_t>(kv_bytes, 1));
-        int section = 1;
-        while (2 * int64_t(section) <= std::min<int64_t>(pairs, int64_t(params.b) * params.h)) { section *= 2; }
-        args.section = section;
+        args.section = l2_section(pairs, int64_t(params.b) * params.h);
     }
     if (grid == 0) { return cudaSuccess; }
     fwd_kernel<Traits, kPaged><<<dim3(unsigned(grid)), Traits::kNThreads, kSmem, stream>>>(args);
