@@ -40,10 +40,10 @@ struct RowGroup {
                                                   int head, int lane) {
         Pieces x{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
         if (valid && lane * 8 < params.d) {
-            using Element = cutlass::half_t;  // only the bytes matter here
-            auto const* o = static_cast<Element const*>(params.o) + batch * params.o_batch_stride +
+            using Bits = uint16_t;  // the 16-bit elements' bytes, converted in dpsum
+            auto const* o = static_cast<Bits const*>(params.o) + batch * params.o_batch_stride +
                             row * params.o_row_stride + head * params.o_head_stride + lane * 8;
-            auto const* dout = static_cast<Element const*>(params.dout) + batch * params.do_batch_stride +
+            auto const* dout = static_cast<Bits const*>(params.dout) + batch * params.do_batch_stride +
                                row * params.do_row_stride + head * params.do_head_stride + lane * 8;
             x.o = *reinterpret_cast<uint4 const*>(o);
             x.dout = *reinterpret_cast<uint4 const*>(dout);
