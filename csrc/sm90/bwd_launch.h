@@ -79,8 +79,7 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
     // together, so that the last CTAs to start are the shortest.
     if (params.window_right >= 0 && !params.deterministic && !varlen) {
         int64_t const pair_bytes = 2 * int64_t(params.sq) * params.d * int64_t(sizeof(Element)) * params.h_per_hk;
-        args.section = l2_section(std::max<int64_t>(1, hints.l2_bytes / std::max<int64_t>(pair_bytes, 1)),
-                                  int64_t(params.b) * params.hk);
+        args.section = l2_section(hints.l2_bytes / std::max<int64_t>(pair_bytes, 1), int64_t(params.b) * params.hk);
     }
     constexpr int kSmem = Traits::kSmemBytes;
     if (cudaError_t err = allow_smem<&bwd_kernel<Traits>>(kSmem, hints.device); err != cudaSuccess) { return err; }
