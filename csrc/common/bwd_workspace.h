@@ -3,6 +3,8 @@
 // own order (its dQ MMA's fragments) and converts them with a kernel that reads that order back.
 #pragma once
 
+#include <cute/tensor.hpp>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -67,6 +69,25 @@ Workspace bwd_workspace(BwdParams const& params, LaunchHints const&) {
 template <int kNThreads>
 __device__ __forceinline__ int dq_workspace_index(int i, int tid) {
     return ((i / 4) * kNThreads + tid) * 4 + i % 4;
+}
+
+// Adds a dQ fragment into a query tile's accumulator rows from registers: each thread adds four consecutive fragment
+// values with one 16-byte vector reduction on sm_90 and newer (see dq_workspace_index).
+template <int kNThreads, class Frag>
+__device__ __forceinline__ void add_dq(float* tile, Frag const& acc, int tid) {
+    static_assert(decltype(cute::size(acc))::value % 4 == 0);
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(acc); i += 4) {
+        float* p = tile + dq_workspace_index<kNThreads>(i, tid);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(acc(i)), "f"(acc(i + 1)),
+                     "f"(acc(i + 2)), "f"(acc(i + 3))
+                     : "memory");
+#else
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) { atomicAdd(p + j, acc(i + j)); }
+#endif
+    }
 }
 
 __device__ __forceinline__ int load_acquire(int const* p) {

@@ -50,25 +50,6 @@ struct DqOrder {
     }
 };
 
-// Each thread adds four consecutive fragment values with one 16-byte vector reduction on sm_90 and newer (see
-// dq_workspace_index).
-template <int kNThreads, class Frag>
-__device__ __forceinline__ void add_dq(float* tile, Frag const& acc, int tid) {
-    static_assert(decltype(size(acc))::value % 4 == 0);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); i += 4) {
-        float* p = tile + dq_workspace_index<kNThreads>(i, tid);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(acc(i)), "f"(acc(i + 1)),
-                     "f"(acc(i + 2)), "f"(acc(i + 3))
-                     : "memory");
-#else
-        CUTE_UNROLL
-        for (int j = 0; j < 4; ++j) { atomicAdd(p + j, acc(i + j)); }
-#endif
-    }
-}
-
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdParams const params) {
     using Element = typename Traits::Element;

@@ -90,28 +90,42 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     // Under a causal mask the first key blocks see the most query blocks, so ascending order starts the longest first
     // (across args.section pairs); the deterministic dQ order hands them out last-first instead (launch order =
     // accumulation order).
+    // kKeyPair: a cluster's two CTAs (ranks 0 and 1) take key blocks 2j and 2j + 1 of a 2 * kBlockN tile, and both
+    // walk the query blocks that see either block (blocks past the diagonal or the keys' end are masked whole).
+    constexpr int kTileKeys = Traits::kKeyPair ? 2 * kBlockN : kBlockN;
     bool const reverse = params.deterministic && params.window_right >= 0;
-    TileCoord const blk = decode_tile<kBlockN>(blockIdx.x, params.cu_seqlens_k, params.seqused_k, params.sk, params.b,
-                                               params.hk, reverse, args.section);
+    TileCoord blk = decode_tile<kTileKeys>(Traits::kKeyPair ? blockIdx.x / 2 : blockIdx.x, params.cu_seqlens_k,
+                                           params.seqused_k, params.sk, params.b, params.hk, reverse, args.section);
     if (!blk.valid) { return; }
     SeqlenInfo const seq(params, blk.batch);
     AttnWindow const window = seq.window(params);
-    KeyBlockWork const work{blk, seq, window, BlockRange<kBlockM, kBlockN>::m_blocks(window, blk.block)};
+    Interval const m_range = BlockRange<kBlockM, kTileKeys>::m_blocks(window, blk.block);
+    if constexpr (Traits::kKeyPair) { blk.block = 2 * blk.block + int(cute::block_rank_in_cluster()); }
+    KeyBlockWork const work{blk, seq, window, m_range};
     bool const has_work = work.iterations(params) > 0;
 
     if (tid == 0) {
         cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full, 1);
         shared.q_ring.init(Traits::kConsumerThreads / 32);
         shared.do_ring.init(Traits::kConsumerThreads / 32);
+        if constexpr (Traits::kKeyPair) { DsExchange<Traits>::init(shared); }
         cutlass::arch::fence_barrier_init();
     }
-    __syncthreads();
+    if constexpr (Traits::kKeyPair) {
+        // The other CTA's copies and arrivals find this one's barriers initialised.
+        cute::cluster_arrive_relaxed();
+        cute::cluster_wait();
+    } else {
+        __syncthreads();
+    }
 
     if (tid < 128) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
         int const warp = tid / 32;
         if (warp == 0 && has_work && cute::elect_one_sync()) { load_bwd<Traits>(args, shared, work); }
-        if (warp == 1 && has_work) { store_dq<Traits>(params, shared, work, reverse, tid % 32); }
+        if constexpr (!Traits::kKeyPair) {
+            if (warp == 1 && has_work) { store_dq<Traits>(params, shared, work, reverse, tid % 32); }
+        }
         return;
     }
 

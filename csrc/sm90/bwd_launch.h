@@ -27,7 +27,9 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     bool const varlen = params.cu_seqlens_q != nullptr;
     int const entries = tensor_batches(params);
-    int64_t const main_blocks = tile_count(params.sk, params.b, kBlockN, varlen) * params.hk;
+    // kKeyPair: clusters of two CTAs, one per key block of a 2 * kBlockN tile.
+    constexpr int kPairSize = Traits::kKeyPair ? 2 : 1;
+    int64_t const main_blocks = tile_count(params.sk, params.b, kPairSize * kBlockN, varlen) * params.hk * kPairSize;
     int64_t const convert_blocks = tile_count(params.sq, params.b, kBlockM, varlen) * params.h;
     if (main_blocks > INT_MAX || convert_blocks > INT_MAX) {
         return cudaErrorInvalidConfiguration;
@@ -70,6 +72,16 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
                  typename Traits::SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}),
         tma_rows(gmem(params.v, params.sk, params.hk, params.v_row_stride, params.v_head_stride, params.v_batch_stride),
                  typename Traits::SmemLayoutV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}),
+        [&] {
+            using Tma = typename Traits::TmaKHalf;
+            if constexpr (Traits::kKeyPair) {
+                return tma_rows(gmem(params.k, params.sk, params.hk, params.k_row_stride, params.k_head_stride,
+                                     params.k_batch_stride),
+                                typename Traits::SmemLayoutKHalf{}, Shape<Int<kBlockN>, Int<Traits::kPeerKCols>>{});
+            } else {
+                return Tma{};
+            }
+        }(),
         tma_store_rows(params.dk, params.dk_row_stride, params.dk_head_stride, params.dk_batch_stride,
                        typename Traits::SmemLayoutK{}),
         tma_store_rows(params.dv, params.dv_row_stride, params.dv_head_stride, params.dv_batch_stride,
@@ -83,8 +95,26 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
     }
     constexpr int kSmem = Traits::kSmemBytes;
     if (cudaError_t err = allow_smem<&bwd_kernel<Traits>>(kSmem, hints.device); err != cudaSuccess) { return err; }
-    bwd_kernel<Traits><<<unsigned(main_blocks), Traits::kNThreads, kSmem, stream>>>(args);
-    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
+    if constexpr (Traits::kKeyPair) {
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = 2;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cudaLaunchConfig_t config{};
+        config.gridDim = dim3(unsigned(main_blocks));
+        config.blockDim = dim3(Traits::kNThreads);
+        config.dynamicSmemBytes = kSmem;
+        config.stream = stream;
+        config.attrs = attr;
+        config.numAttrs = 1;
+        if (cudaError_t err = cudaLaunchKernelEx(&config, &bwd_kernel<Traits>, args); err != cudaSuccess) {
+            return err;
+        }
+    } else {
+        bwd_kernel<Traits><<<unsigned(main_blocks), Traits::kNThreads, kSmem, stream>>>(args);
+        if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
+    }
 
     bwd_convert_dq_kernel<Traits><<<unsigned(convert_blocks), Traits::kConsumerThreads, 0, stream>>>(params);
     return cudaGetLastError();
@@ -105,6 +135,13 @@ template <int kHeadDim, typename Element>
 cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "no SM90 backward tile for this head dim");
     BwdParams const bound = BwdWorkspace(params, kHeadDim, true).bind(params, workspace);
+    if constexpr (kHeadDim > 128) {
+        // Key pairs add dQ from registers in no fixed order: the deterministic mode keeps the lone key block.
+        if (!params.deterministic) {
+            constexpr BwdTile kPairTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = 1, .key_pair = true};
+            return launch_bwd<BwdTraits<kHeadDim, kPairTile, Element>>(bound, hints, stream);
+        }
+    }
     if constexpr (kBwdTile<kHeadDim, true>.block_m != kBwdTile<kHeadDim, false>.block_m) {
         if (params.has_softcap) {
             return launch_bwd<BwdTraits<kHeadDim, kBwdTile<kHeadDim, true>, Element>>(bound, hints, stream);

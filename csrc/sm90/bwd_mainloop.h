@@ -41,6 +41,7 @@ struct BwdKernelParams {
     typename Traits::TmaQ tma_do;
     typename Traits::TmaK tma_k;
     typename Traits::TmaV tma_v;
+    typename Traits::TmaKHalf tma_k_half;  // Traits::kKeyPair: the other key block's K, this CTA's head-dim half
     typename Traits::TmadK tma_dk;
     typename Traits::TmadV tma_dv;
     int section = 1;  // decode_tile's (batch, kv head) pairs taken together
@@ -131,11 +132,23 @@ __device__ __forceinline__ void load_bwd(BwdKernelParams<Traits> const& args, ty
         return local_tile(domain_offset(make_coord(seq.k.start, _0{}), m(_, _, work.blk.head, entry)),
                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(work.blk.block, _0{}));
     };
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.kv_full, 2 * Traits::kKVBytes);
+    constexpr int kPeerKBytes = Traits::kKeyPair ? Traits::kKVBytes / 2 : 0;
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.kv_full, 2 * Traits::kKVBytes + kPeerKBytes);
     copy(args.tma_k.with(shared.kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_k.partition_S(key_tile(mK)),
          tma_k.partition_D(sK));
     copy(args.tma_v.with(shared.kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_v.partition_S(key_tile(mV)),
          tma_v.partition_D(sV));
+    if constexpr (Traits::kKeyPair) {
+        // The other block's K, columns of the head-dim half that this CTA (its rank) adds into dQ.
+        Tensor mKh = args.tma_k_half.get_tma_tensor(make_shape(params.sk, params.d, params.hk, batches));
+        Tensor sKp = make_tensor(make_smem_ptr(shared.k_peer.data()), typename Traits::SmemLayoutKHalf{});
+        auto tma_kh = args.tma_k_half.get_slice(_0{});
+        Tensor gKp = local_tile(domain_offset(make_coord(seq.k.start, _0{}), mKh(_, _, work.blk.head, entry)),
+                                Shape<Int<kBlockN>, Int<Traits::kPeerKCols>>{},
+                                make_coord(work.blk.block ^ 1, int(cute::block_rank_in_cluster())));
+        copy(args.tma_k_half.with(shared.kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_kh.partition_S(gKp),
+             tma_kh.partition_D(sKp));
+    }
 
     // Q and dO are read by every key block of their head: keep them in L2.
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
@@ -188,6 +201,66 @@ struct DqStaging {
         cutlass::arch::NamedBarrier::arrive_and_wait(kThreads, full_id());
     }
     __device__ __forceinline__ void mark_empty() const { cutlass::arch::NamedBarrier::arrive(kThreads, empty_id()); }
+};
+
+// Traits::kKeyPair: dS^T between the two CTAs of a cluster. Step it's dS^T (buffer it % 2) goes by one bulk copy from
+// the sender's dS buffer into the receiver's ds_peer buffer, completing the receiver's peer_ds_full; the receiver's
+// warpgroups, once their dQ GEMM has read it, arrive on the sender's peer_ds_empty. The sender waits for that before
+// its consumers overwrite the buffer two steps later (it is the copy's source) and before it exits, so that nothing
+// in flight reaches a CTA that has left.
+template <class Traits>
+struct DsExchange {
+    typename Traits::SharedStorage& shared;
+    uint32_t peer;  // the other CTA's rank in the cluster
+
+    static constexpr int kBufferElements = Traits::kBlockN * Traits::kBlockM;
+
+    __device__ __forceinline__ static void init(typename Traits::SharedStorage& shared) {
+        CUTE_UNROLL
+        for (int b = 0; b < 2; ++b) {
+            cutlass::arch::ClusterTransactionBarrier::init(&shared.peer_ds_full[b], 1);
+            cutlass::arch::ClusterBarrier::init(&shared.peer_ds_empty[b], Traits::kConsumerWarpGroups);
+        }
+    }
+    // One consumer thread, at the start of step it: the bytes that the other CTA sends for it.
+    __device__ __forceinline__ void expect(int it) const {
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.peer_ds_full[it % 2], Traits::kdSBytes);
+    }
+    // One consumer thread, before the consumers' barrier that precedes their dS^T stores of step it: the copy of
+    // step it - 2 has been read out of the buffer.
+    __device__ __forceinline__ void wait_sent(int it) const {
+        if (it >= 2) { cutlass::arch::ClusterBarrier::wait(&shared.peer_ds_empty[it % 2], ((it - 2) / 2) & 1); }
+    }
+    // One consumer thread, once both warpgroups' dS^T of step it is in shared memory (fenced for the async proxy).
+    __device__ __forceinline__ void send(int it) const {
+        int const b = it % 2;
+        uint32_t const src = cute::cast_smem_ptr_to_uint(shared.ds.data() + b * kBufferElements);
+        uint32_t dst, bar;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                     : "=r"(dst)
+                     : "r"(cute::cast_smem_ptr_to_uint(shared.ds_peer.data() + b * kBufferElements)), "r"(peer));
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                     : "=r"(bar)
+                     : "r"(cute::cast_smem_ptr_to_uint(&shared.peer_ds_full[b])), "r"(peer));
+        asm volatile(
+            "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+            "r"(src), "r"(Traits::kdSBytes), "r"(bar)
+            : "memory");
+    }
+    // Every consumer thread: the other CTA's dS^T of step it has landed.
+    __device__ __forceinline__ void wait_received(int it) const {
+        cutlass::arch::ClusterTransactionBarrier::wait(&shared.peer_ds_full[it % 2], (it / 2) & 1);
+    }
+    // One thread per consumer warpgroup, once the warpgroup's wgmma reads of step it's received dS^T are complete.
+    __device__ __forceinline__ void release_received(int it) const {
+        cutlass::arch::ClusterBarrier::arrive(&shared.peer_ds_empty[it % 2], peer, 1u);
+    }
+    // The sender, before its CTA exits: the other CTA has read the last copies (and its last arrivals have landed).
+    __device__ __forceinline__ void drain(int iters) const {
+        for (int it = max(iters - 2, 0); it < iters; ++it) {
+            cutlass::arch::ClusterBarrier::wait(&shared.peer_ds_empty[it % 2], (it / 2) & 1);
+        }
+    }
 };
 
 // Store warp: adds the consumer warpgroups' staged dQ of every (head, query block) into the fp32 workspace, one bulk
@@ -296,14 +369,36 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     }();
     Tensor tdQrdS = wg_dq.partition_fragment_A(sdSt);    // (MMA, MMA_M, MMA_K, buffer)
     Tensor tdQrKt = wg_dq.partition_fragment_B(sKt);
-    // kSplitHeadDim: dQ by slices of this warpgroup's head-dim columns, slice r of K^T being tile wg * kdQRounds + r.
+    // kSplitHeadDim: dQ by slices of kdQSliceCols head-dim columns: slice r of warpgroup w is K^T's tile
+    // w * kdQRounds + r. kKeyPair: this CTA's warpgroup wg takes slice wg of warpgroup `rank`'s columns (the CTA's
+    // head-dim half), over its own keys and then the other block's (k_peer's tile wg).
+    constexpr bool kPair = Traits::kKeyPair;
+    int const rank = kPair ? int(cute::block_rank_in_cluster()) : 0;
     typename Traits::TiledMmadQSlice mma_dq_slice;
     auto slice_dq = mma_dq_slice.get_slice(0);
     Tensor tdQrdS_slice = slice_dq.partition_fragment_A(sdSt);  // (MMA, MMA_M, MMA_K, buffer)
-    auto kt_slice = [&](int r) {
+    auto kt_slice = [&](int tile) {
         return slice_dq.partition_fragment_B(local_tile(sKt, Shape<Int<Traits::kdQSliceCols>, Int<kBlockN>>{},
-                                                        make_coord(wg * Traits::kdQRounds + r, _0{})));
+                                                        make_coord(tile, _0{})));
     };
+    auto tdQrdS_peer = [&] {
+        if constexpr (kPair) {
+            Tensor sdSpt = make_tensor(make_smem_ptr(shared.ds_peer.data()), typename Traits::SmemLayoutdSPeert{});
+            return slice_dq.partition_fragment_A(sdSpt);  // (MMA, MMA_M, MMA_K, buffer)
+        } else {
+            return 0;
+        }
+    }();
+    auto tdQrKt_peer = [&] {
+        if constexpr (kPair) {
+            Tensor sKpt = make_tensor(make_smem_ptr(shared.k_peer.data()), typename Traits::SmemLayoutKHalft{});
+            return slice_dq.partition_fragment_B(
+                local_tile(sKpt, Shape<Int<Traits::kdQSliceCols>, Int<kBlockN>>{}, make_coord(wg, _0{})));
+        } else {
+            return 0;
+        }
+    }();
+    DsExchange<Traits> const exchange{shared, uint32_t(rank ^ 1)};
 
     typename Traits::SmemCopydS copy_ds;
     auto thr_copy_ds = copy_ds.get_thread_slice(ctid);
@@ -324,9 +419,16 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     bool const foreign_k = params.cu_seqlens_k != nullptr || params.seqused_k != nullptr;
 
     cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
-    if (foreign_k && col0 + kBlockN > seq.k.len) {
+    // The other block of a pair holds keys past its own end too (kKeyPair: when its block is the second).
+    int const peer_col0 = kPair ? (n_block ^ 1) * kBlockN : col0;
+    if (foreign_k && max(col0, peer_col0) + kBlockN > seq.k.len) {
         zero_tail_rows<kConsumerThreads>(sK, seq.k.len - col0, ctid);
         zero_tail_rows<kConsumerThreads>(sV, seq.k.len - col0, ctid);
+        if constexpr (kPair) {
+            zero_tail_rows<kConsumerThreads>(
+                make_tensor(make_smem_ptr(shared.k_peer.data()), typename Traits::SmemLayoutKHalf{}),
+                seq.k.len - peer_col0, ctid);
+        }
         cutlass::arch::fence_view_async_shared();
         sync_consumers<kConsumerThreads>();
     }
@@ -339,6 +441,9 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     auto step = [&](int it, auto mods) __attribute__((always_inline)) {
         int const row0 = cur.m_block * kBlockM;
         int const buf = it % 2;
+        if constexpr (kPair) {
+            if (ctid == 0) { exchange.expect(it); }
+        }
         if (foreign_q && row0 + kBlockM > sq) {
             shared.q_ring.wait(q_state);
             shared.do_ring.wait(do_state);
@@ -401,6 +506,9 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
             copy(copy_ds, thr_copy_ds.retile_S(make_tensor(tdVrP.data(), AccSLayout{})),
                  tdSsdS(_, _, _, Traits::kPBuffer + buf));
             cutlass::arch::fence_view_async_shared();
+            if constexpr (kPair) {
+                if (ctid == 0) { exchange.wait_sent(it); }  // dS^T's buffer is rewritten below
+            }
             sync_consumers<kConsumerThreads>();
             Tensor tdVsP = tdKVsPdS(_, _, _, Traits::kPBuffer + buf);
             gemm<false>(mma_dkv, tdVsP, tdVrdOt(_, _, _, do_state.index), acc_dv);
@@ -429,60 +537,87 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         copy(copy_ds, thr_copy_ds.retile_S(r_ds), tdSsdS(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();
         sync_consumers<kConsumerThreads>();  // both warpgroups' dS are in shared memory
+        if constexpr (kPair) {
+            if (ctid == 0) { exchange.send(it); }
+        }
 
-        // dQ (or its first slice) before dK: its staging below then runs under the dK GEMM.
-        auto acc_dq = [&] {
-            if constexpr (kSplitHeadDim) {
-                return partition_fragment_C(mma_dq_slice, Shape<_64, Int<Traits::kdQSliceCols>>{});
-            } else {
-                return partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-            }
-        }();
-        auto issue_dq = [&](int r) {
-            if constexpr (kSplitHeadDim) {
-                Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
-                Tensor tdQrKt_r = kt_slice(r);
-                gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_r, acc_dq);
-            } else {
-                Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
-                gemm<true>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
-            }
-        };
-        // dQ (slice) to this warpgroup's staging buffer, once the store warp has read the previous one out of it.
-        DqStaging<Traits> const staging{wg};
-        auto stage_dq = [&] {
-            staging.wait_empty();
-            float* chunk = shared.dq.data() + wg * Traits::kdQStagedFloats;
-            static_assert(decltype(size(acc_dq))::value * 128 == Traits::kdQStagedFloats);
-            CUTE_UNROLL
-            for (int i = 0; i < size(acc_dq); i += 4) {
-                *reinterpret_cast<float4*>(chunk + dq_workspace_index<128>(i, wg_tid)) =
-                    make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
-            }
-            cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk reduction
-            staging.mark_full();
-        };
-        issue_dq(0);
-        if constexpr (kSplitHeadDim) {
+        if constexpr (kPair) {
+            // This CTA's head-dim slice over its own keys, then over the other block's once its dS^T has landed;
+            // added from registers under the dK GEMM.
+            auto acc_dq = partition_fragment_C(mma_dq_slice, Shape<_64, Int<Traits::kdQSliceCols>>{});
+            Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
+            Tensor tdQrKt_own = kt_slice(rank * Traits::kdQRounds + wg);
+            gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_own, acc_dq);
+            exchange.wait_received(it);
+            Tensor tdQrdS_peer_buf = tdQrdS_peer(_, _, _, buf);
+            gemm<false>(mma_dq_slice, tdQrdS_peer_buf, tdQrKt_peer, acc_dq);
             Tensor tdKsdS = tdKVsPdS(_, _, _, buf);
             gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+            warpgroup_wait<1>();  // dV and dQ are done: dO and the received dS^T are free
+            if (wg_tid == 0) { exchange.release_received(it); }
+            shared.do_ring.release_after_loads(do_state);  // D
+            do_state.advance();
+            int64_t const dq_row = dq_accum_row(params, seq, cur.head) + row0;
+            add_dq<128>(params.dq_accum + dq_row * kHeadDim + (rank * Traits::kdQRounds + wg) * Traits::kdQStagedFloats,
+                        acc_dq, wg_tid);
+            warpgroup_wait<0>();  // dK is done: Q is free
+            shared.q_ring.release_after_loads(q_state);  // lse2
+            q_state.advance();
         } else {
-            Tensor tdKrdS = make_tensor(r_ds.data(), acc_as_a_operand(AccSLayout{}));
-            gemm<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, q_state.index), acc_dk);
-        }
-        warpgroup_wait<1>();  // dV and dQ are done: dO is free
-        shared.do_ring.release_after_loads(do_state);  // D
-        do_state.advance();
-        stage_dq();
-        CUTE_UNROLL
-        for (int r = 1; r < Traits::kdQRounds; ++r) {
-            issue_dq(r);
-            warpgroup_wait<0>();
+            // dQ (or its first slice) before dK: its staging below then runs under the dK GEMM.
+            auto acc_dq = [&] {
+                if constexpr (kSplitHeadDim) {
+                    return partition_fragment_C(mma_dq_slice, Shape<_64, Int<Traits::kdQSliceCols>>{});
+                } else {
+                    return partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+                }
+            }();
+            auto issue_dq = [&](int r) {
+                if constexpr (kSplitHeadDim) {
+                    Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
+                    Tensor tdQrKt_r = kt_slice(wg * Traits::kdQRounds + r);
+                    gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_r, acc_dq);
+                } else {
+                    Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
+                    gemm<true>(mma_dq, tdQrdS_buf, tdQrKt, acc_dq);
+                }
+            };
+            // dQ (slice) to this warpgroup's staging buffer, once the store warp has read the previous one out of it.
+            DqStaging<Traits> const staging{wg};
+            auto stage_dq = [&] {
+                staging.wait_empty();
+                float* chunk = shared.dq.data() + wg * Traits::kdQStagedFloats;
+                static_assert(decltype(size(acc_dq))::value * 128 == Traits::kdQStagedFloats);
+                CUTE_UNROLL
+                for (int i = 0; i < size(acc_dq); i += 4) {
+                    *reinterpret_cast<float4*>(chunk + dq_workspace_index<128>(i, wg_tid)) =
+                        make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
+                }
+                cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk reduction
+                staging.mark_full();
+            };
+            issue_dq(0);
+            if constexpr (kSplitHeadDim) {
+                Tensor tdKsdS = tdKVsPdS(_, _, _, buf);
+                gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+            } else {
+                Tensor tdKrdS = make_tensor(r_ds.data(), acc_as_a_operand(AccSLayout{}));
+                gemm<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+            }
+            warpgroup_wait<1>();  // dV and dQ are done: dO is free
+            shared.do_ring.release_after_loads(do_state);  // D
+            do_state.advance();
             stage_dq();
+            CUTE_UNROLL
+            for (int r = 1; r < Traits::kdQRounds; ++r) {
+                issue_dq(r);
+                warpgroup_wait<0>();
+                stage_dq();
+            }
+            warpgroup_wait<0>();  // dK is done: Q is free
+            shared.q_ring.release_after_loads(q_state);  // lse2
+            q_state.advance();
         }
-        warpgroup_wait<0>();  // dK is done: Q is free
-        shared.q_ring.release_after_loads(q_state);  // lse2
-        q_state.advance();
     };
 
     auto query_loop = [&](auto mods) __attribute__((always_inline)) {
@@ -492,6 +627,9 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         query_loop(cute::true_type{});
     } else {
         query_loop(cute::false_type{});
+    }
+    if constexpr (kPair) {
+        if (ctid == 0) { exchange.drain(iters); }
     }
 }
 

@@ -140,9 +140,10 @@ struct FwdTraits {
 
 // A backward tile: block_n keys (64 per consumer warpgroup, or 64 shared by both: BwdTraits::kSplitHeadDim) kept in
 // shared memory for the whole CTA, query blocks of block_m rows streamed through rings of q_stages (Q, lse) and
-// do_stages (dO, D) buffers.
+// do_stages (dO, D) buffers. key_pair: a cluster of two CTAs on adjacent key blocks (BwdTraits::kKeyPair).
 struct BwdTile {
     int block_m, block_n, q_stages, do_stages;
+    bool key_pair = false;
 };
 
 // The scores are computed transposed, S^T = K Q^T and dP^T = V dO^T, with the keys on wgmma's M: their accumulators
@@ -162,6 +163,13 @@ struct BwdTraits {
     static constexpr int kQStages = kTile.q_stages;
     static constexpr int kdOStages = kTile.do_stages;
     static constexpr bool kSplitHeadDim = kHeadDim > 128;
+    // kKeyPair (split head dims): the two CTAs of a cluster take adjacent key blocks of one head and walk the same
+    // query blocks. Each sends its dS^T to the other, and adds one half of dQ's head dim over both blocks' keys (its
+    // own K's half and the other's, loaded once): half the dQ bytes per FLOP that a lone 64-key block adds, which
+    // bound the d 256 kernel (see RESULTS.md). dQ goes from registers into the workspace, which leaves the staging
+    // buffer's shared memory to the other block's K half and dS^T.
+    static constexpr bool kKeyPair = kTile.key_pair;
+    static_assert(!kKeyPair || kSplitHeadDim);
     static constexpr int kConsumerWarpGroups = kSplitHeadDim ? 2 : kBlockN / 64;
     static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
     static constexpr int kNThreads = kConsumerThreads + 128;
@@ -223,6 +231,11 @@ struct BwdTraits {
     using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
     using SmemLayoutV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                                Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    // kKeyPair: the other block's half of K (the head-dim half this CTA adds), and its dS^T (two buffers).
+    static constexpr int kPeerKCols = kKeyPair ? kHeadDim / 2 : kHeadDim;
+    using SmemLayoutKHalf = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kPeerKCols>>{}));
+    using SmemLayoutKHalft = decltype(composition(
+        SmemLayoutKHalf{}, make_ordered_layout(Shape<Int<kPeerKCols>, Int<kBlockN>>{}, Step<_2, _1>{})));
     // dS^T as written from the accumulators: (key, query, buffer), queries contiguous; two buffers, and with
     // kSplitHeadDim two more for P^T (kPBuffer + buffer).
     static constexpr int kPBuffer = 2;
@@ -240,6 +253,12 @@ struct BwdTraits {
     using SmemLayoutdSt = decltype(composition(
         SmemLayoutdS{},
         make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, Int<kPdSBuffers>>{}, Step<_2, _1, _3>{})));
+    // kKeyPair: the other block's dS^T, two buffers laid out as dS's first two (one bulk copy each).
+    using SmemLayoutdSPeer = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                    Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));
+    using SmemLayoutdSPeert = decltype(composition(
+        SmemLayoutdSPeer{}, make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, _2>{}, Step<_2, _1, _3>{})));
+    static constexpr int kdSBytes = kBlockN * kBlockM * int(sizeof(Element));
     // Registers to shared memory with stmatrix, in the S^T accumulator's layout.
     using SmemCopydS = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaSdP{}));
 
@@ -253,6 +272,8 @@ struct BwdTraits {
                                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
     using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{},
                                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+    using TmaKHalf = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKHalf{},
+                                            Shape<Int<kBlockN>, Int<kPeerKCols>>{}, _1{}));
     static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
     // From head dim 128, dK and dV of batched calls leave through K's and V's buffers, written with stmatrix in the
@@ -272,16 +293,23 @@ struct BwdTraits {
     static constexpr int kdQChunkFloats = kBlockM * kHeadDim / kConsumerWarpGroups;
     static constexpr int kdQStagedFloats = kdQChunkFloats / kdQRounds;
 
+    struct NoBuffer {};
+    template <class T, int kCount, bool kUsed, int kAlign>
+    using BufferIf = std::conditional_t<kUsed, cute::array_aligned<T, kCount, kAlign>, NoBuffer>;
     struct SharedStorage {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> dout;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> v;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
-        alignas(128) cute::array_aligned<float, kConsumerWarpGroups * kdQStagedFloats> dq;
+        BufferIf<Element, cosize_v<SmemLayoutKHalf>, kKeyPair, 1024> k_peer;
+        BufferIf<Element, cosize_v<SmemLayoutdSPeer>, kKeyPair, 1024> ds_peer;
+        BufferIf<float, kConsumerWarpGroups * kdQStagedFloats, !kKeyPair, 128> dq;
         alignas(128) float lse2[kQStages][kBlockM];  // per Q stage (BwdParams::lse2)
         alignas(128) float dpsum[kdOStages][kBlockM];  // per dO stage (BwdParams::dpsum)
         uint64_t kv_full;
+        uint64_t peer_ds_full[2];   // kKeyPair: the other CTA's dS^T has landed in ds_peer (its bulk copy's bytes)
+        uint64_t peer_ds_empty[2];  // kKeyPair: the other CTA's warpgroups have read what this CTA sent
         TmaRing<kQStages> q_ring;
         TmaRing<kdOStages> do_ring;
     };
