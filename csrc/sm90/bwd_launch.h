@@ -72,20 +72,15 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
                  typename Traits::SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}),
         tma_rows(gmem(params.v, params.sk, params.hk, params.v_row_stride, params.v_head_stride, params.v_batch_stride),
                  typename Traits::SmemLayoutV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}),
-        [&] {
-            using Tma = typename Traits::TmaKHalf;
-            if constexpr (Traits::kKeyPair) {
-                return tma_rows(gmem(params.k, params.sk, params.hk, params.k_row_stride, params.k_head_stride,
-                                     params.k_batch_stride),
-                                typename Traits::SmemLayoutKHalf{}, Shape<Int<kBlockN>, Int<Traits::kPeerKCols>>{});
-            } else {
-                return Tma{};
-            }
-        }(),
         tma_store_rows(params.dk, params.dk_row_stride, params.dk_head_stride, params.dk_batch_stride,
                        typename Traits::SmemLayoutK{}),
         tma_store_rows(params.dv, params.dv_row_stride, params.dv_head_stride, params.dv_batch_stride,
                        typename Traits::SmemLayoutV{})};
+    if constexpr (Traits::kKeyPair) {
+        args.tma_k_half = tma_rows(
+            gmem(params.k, params.sk, params.hk, params.k_row_stride, params.k_head_stride, params.k_batch_stride),
+            typename Traits::SmemLayoutKHalf{}, Shape<Int<kBlockN>, Int<Traits::kPeerKCols>>{});
+    }
 
     // Causal key blocks differ in length: longest first across the (batch, kv head) pairs whose Q and dO fit in L2
     // together, so that the last CTAs to start are the shortest.
@@ -116,7 +111,12 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
         if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
     }
 
-    bwd_convert_dq_kernel<Traits><<<unsigned(convert_blocks), Traits::kConsumerThreads, 0, stream>>>(params);
+    // The workspace's order does not depend on key pairs: one conversion kernel per tile.
+    using ConvertTraits = BwdTraits<kHeadDim,
+                                    BwdTile{.block_m = kBlockM, .block_n = kBlockN, .q_stages = Traits::kQStages,
+                                            .do_stages = Traits::kdOStages},
+                                    Element>;
+    bwd_convert_dq_kernel<ConvertTraits><<<unsigned(convert_blocks), Traits::kConsumerThreads, 0, stream>>>(params);
     return cudaGetLastError();
 }
 
@@ -125,7 +125,7 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
 // BwdTraits::kdPAfterP); Q and dO double-buffered. Accumulators per consumer thread: dK + dV kHeadDim, S^T and dP^T
 // block_m / 2 each, dQ block_m * kHeadDim / 256. Head dim 256 (BwdTraits::kSplitHeadDim): 64 keys shared by both
 // warpgroups, dK + dV 128 and S^T + dP^T 64 registers, dQ in two slices of 32; 208 KB of shared memory with Q
-// double-buffered and dO single.
+// double-buffered and dO single. Outside deterministic mode its CTAs come in key pairs (run_bwd).
 template <int kHeadDim, bool kSoftcap>
 constexpr BwdTile kBwdTile = kHeadDim > 128
     ? BwdTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = 1}

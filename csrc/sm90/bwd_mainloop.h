@@ -10,7 +10,9 @@
 //     registers) issued
 //     wait for dQ; release dO; dQ to shared memory (under the dK GEMM), for the store warp to add into the fp32
 //     workspace; wait for dK; release Q
-// With 128-row query blocks (BwdTraits::kdPAfterP), dP^T is issued only after P, behind which dV queues.
+// With 128-row query blocks (BwdTraits::kdPAfterP), dP^T is issued only after P, behind which dV queues. Head dim 256
+// (BwdTraits::kSplitHeadDim) shares 64 keys between the warpgroups and meets P^T and dS^T in shared memory; outside
+// deterministic mode its CTAs come in key pairs (BwdTraits::kKeyPair, DsExchange), which add dQ from registers.
 // The softmax scale is applied once, to dK in the epilogue and to dQ in the conversion kernel.
 #pragma once
 
@@ -41,10 +43,10 @@ struct BwdKernelParams {
     typename Traits::TmaQ tma_do;
     typename Traits::TmaK tma_k;
     typename Traits::TmaV tma_v;
-    typename Traits::TmaKHalf tma_k_half;  // Traits::kKeyPair: the other key block's K, this CTA's head-dim half
     typename Traits::TmadK tma_dk;
     typename Traits::TmadV tma_dv;
     int section = 1;  // decode_tile's (batch, kv head) pairs taken together
+    typename Traits::TmaKHalf tma_k_half{};  // Traits::kKeyPair: the other key block's K, this CTA's head-dim half
 };
 
 // The CTA's work: key block blk.block of kv head blk.head in sequence blk.batch, and the query blocks m_range that see

@@ -157,6 +157,7 @@ struct BwdTile {
 template <int kHeadDim_, BwdTile kTile, typename Element_>
 struct BwdTraits {
     using Element = Element_;
+    struct NoBuffer {};
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;
@@ -272,8 +273,10 @@ struct BwdTraits {
                                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
     using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{},
                                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
-    using TmaKHalf = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKHalf{},
-                                            Shape<Int<kBlockN>, Int<kPeerKCols>>{}, _1{}));
+    using TmaKHalf = std::conditional_t<kKeyPair,
+                                        decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKHalf{},
+                                                               Shape<Int<kBlockN>, Int<kPeerKCols>>{}, _1{})),
+                                        NoBuffer>;
     static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
     // From head dim 128, dK and dV of batched calls leave through K's and V's buffers, written with stmatrix in the
@@ -293,7 +296,6 @@ struct BwdTraits {
     static constexpr int kdQChunkFloats = kBlockM * kHeadDim / kConsumerWarpGroups;
     static constexpr int kdQStagedFloats = kdQChunkFloats / kdQRounds;
 
-    struct NoBuffer {};
     template <class T, int kCount, bool kUsed, int kAlign>
     using BufferIf = std::conditional_t<kUsed, cute::array_aligned<T, kCount, kAlign>, NoBuffer>;
     struct SharedStorage {
@@ -302,16 +304,16 @@ struct BwdTraits {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> v;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
-        BufferIf<Element, cosize_v<SmemLayoutKHalf>, kKeyPair, 1024> k_peer;
-        BufferIf<Element, cosize_v<SmemLayoutdSPeer>, kKeyPair, 1024> ds_peer;
         BufferIf<float, kConsumerWarpGroups * kdQStagedFloats, !kKeyPair, 128> dq;
         alignas(128) float lse2[kQStages][kBlockM];  // per Q stage (BwdParams::lse2)
         alignas(128) float dpsum[kdOStages][kBlockM];  // per dO stage (BwdParams::dpsum)
         uint64_t kv_full;
-        uint64_t peer_ds_full[2];   // kKeyPair: the other CTA's dS^T has landed in ds_peer (its bulk copy's bytes)
-        uint64_t peer_ds_empty[2];  // kKeyPair: the other CTA's warpgroups have read what this CTA sent
         TmaRing<kQStages> q_ring;
         TmaRing<kdOStages> do_ring;
+        uint64_t peer_ds_full[2];   // kKeyPair: the other CTA's dS^T has landed in ds_peer (its bulk copy's bytes)
+        uint64_t peer_ds_empty[2];  // kKeyPair: the other CTA's warpgroups have read what this CTA sent
+        BufferIf<Element, cosize_v<SmemLayoutKHalf>, kKeyPair, 1024> k_peer;
+        BufferIf<Element, cosize_v<SmemLayoutdSPeer>, kKeyPair, 1024> ds_peer;
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
     static_assert(kSmemBytes <= 227 * 1024);
