@@ -43,8 +43,7 @@ __device__ __forceinline__ void store_key_gradient(Acc const& acc, float scale, 
 
 // Stores dK (times the softmax scale) and dV of a batched call through K's and V's shared buffers: stmatrix in the
 // accumulators' layout, then one TMA store each, which clips the rows past sk and the columns past d. A varlen or
-// seqused call, whose rows past the sequence belong to another or must stay zero, stores from registers instead, as
-// do the head dims without BwdTraits::kTmaKeyGradients.
+// seqused call, whose rows past the sequence belong to another or must stay zero, stores from registers instead.
 template <class Traits, class AccKV>
 __device__ __forceinline__ void store_key_gradients_tma(BwdKernelParams<Traits> const& args,
                                                         typename Traits::SharedStorage& shared, AccKV& acc_dk,
@@ -139,11 +138,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     if (has_work) { consume_bwd<Traits>(params, shared, work, ctid, acc_dk, acc_dv); }
 
     // A key block that no query sees stores zeros.
-    if constexpr (Traits::kTmaKeyGradients) {
-        if (params.cu_seqlens_k == nullptr && params.seqused_k == nullptr) {
-            store_key_gradients_tma<Traits>(args, shared, acc_dk, acc_dv, seq, blk, ctid);
-            return;
-        }
+    if (params.cu_seqlens_k == nullptr && params.seqused_k == nullptr) {
+        store_key_gradients_tma<Traits>(args, shared, acc_dk, acc_dv, seq, blk, ctid);
+        return;
     }
     store_key_gradient<Traits>(acc_dk, params.softmax_scale, params, seq, blk, params.dk, params.dk_batch_stride,
                                params.dk_row_stride, params.dk_head_stride, ctid);

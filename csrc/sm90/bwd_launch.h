@@ -47,19 +47,13 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
     auto tma_rows = [&](auto const& g, auto smem_layout, auto tile) {
         return make_tma_copy(SM90_TMA_LOAD{}, g, smem_layout, tile, _1{});
     };
-    // dK / dV: (sk, d, hk, entries), stored by key block; left unset (no host encoding) where the kernel stores them
-    // from registers.
+    // dK / dV: (sk, d, hk, entries), stored by key block.
     auto tma_store_rows = [&](void* ptr, int64_t row_stride, int64_t head_stride, int64_t batch_stride,
                               auto smem_layout) {
         Tensor g = make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)),
                                make_shape(params.sk, params.d, params.hk, entries),
                                make_stride(row_stride, _1{}, head_stride, batch_stride));
-        auto tile = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-        if constexpr (Traits::kTmaKeyGradients) {
-            return make_tma_copy(SM90_TMA_STORE{}, g, smem_layout, tile, _1{});
-        } else {
-            return decltype(make_tma_copy(SM90_TMA_STORE{}, g, smem_layout, tile, _1{})){};
-        }
+        return make_tma_copy(SM90_TMA_STORE{}, g, smem_layout, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
     };
     BwdKernelParams<Traits> args{
         params,

@@ -279,10 +279,9 @@ struct BwdTraits {
                                         NoBuffer>;
     static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
-    // From head dim 128, dK and dV of batched calls leave through K's and V's buffers, written with stmatrix in the
-    // dK/dV accumulators' layout and stored by TMA (clipping the rows past sk and the columns past d). Measured on an
-    // H100 beside register stores: d 128 +0-6% (most under a causal mask), d 64 without a mask -2%.
-    static constexpr bool kTmaKeyGradients = true;
+    // dK and dV of batched calls leave through K's and V's buffers, written with stmatrix in the dK/dV accumulators'
+    // layout and stored by TMA (clipping the rows past sk and the columns past d). Measured on an H100 beside register
+    // stores: d 128 +0-6% (most under a causal mask); d 64 causal +1 to +4%, without a mask -1 to +0.3%.
     using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{},
                                                GmemStride{}));
     using TmadK = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutK{},
