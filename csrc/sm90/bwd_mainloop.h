@@ -544,27 +544,27 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         }
 
         if constexpr (kPair) {
-            // This CTA's head-dim slice over its own keys, then over the other block's once its dS^T has landed;
-            // added from registers under the dK GEMM.
+            // This CTA's head-dim slice over its own keys, and dK, run while the other block's dS^T travels; then
+            // the slice over the other block's keys, and the additions from registers.
             auto acc_dq = partition_fragment_C(mma_dq_slice, Shape<_64, Int<Traits::kdQSliceCols>>{});
             Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
             Tensor tdQrKt_own = kt_slice(rank * Traits::kdQRounds + wg);
             gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_own, acc_dq);
+            Tensor tdKsdS = tdKVsPdS(_, _, _, buf);
+            gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
             exchange.wait_received(it);
             Tensor tdQrdS_peer_buf = tdQrdS_peer(_, _, _, buf);
             gemm<false>(mma_dq_slice, tdQrdS_peer_buf, tdQrKt_peer, acc_dq);
-            Tensor tdKsdS = tdKVsPdS(_, _, _, buf);
-            gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
-            warpgroup_wait<1>();  // dV and dQ are done: dO and the received dS^T are free
-            if (wg_tid == 0) { exchange.release_received(it); }
+            warpgroup_wait<1>();  // dV and dK are done: dO and Q are free
             shared.do_ring.release_after_loads(do_state);  // D
             do_state.advance();
+            shared.q_ring.release_after_loads(q_state);  // lse2
+            q_state.advance();
+            warpgroup_wait<0>();  // dQ is done: the received dS^T is free
+            if (wg_tid == 0) { exchange.release_received(it); }
             int64_t const dq_row = dq_accum_row(params, seq, cur.head) + row0;
             add_dq<128>(params.dq_accum + dq_row * kHeadDim + (rank * Traits::kdQRounds + wg) * Traits::kdQStagedFloats,
                         acc_dq, wg_tid);
-            warpgroup_wait<0>();  // dK is done: Q is free
-            shared.q_ring.release_after_loads(q_state);  // lse2
-            q_state.advance();
         } else {
             // dQ (or its first slice) before dK: its staging below then runs under the dK GEMM.
             auto acc_dq = [&] {
