@@ -1,8 +1,8 @@
 // SM90-tier backward main kernel: one CTA per (key block, kv head, sequence), or per key block of a cluster of two
 // (BwdTraits::kKeyPair), of one producer warpgroup (warp 0 loads, warp 1 adds the staged dQ into the workspace;
 // setmaxnreg gives the warpgroup's registers to the consumers) and two consumer warpgroups (wgmma, the gradients'
-// elementwise math, dQ staging, the dK / dV epilogue). The CTA walks every query head of its GQA group, so dK and dV are reduced over the group in registers: no expanded copies, no atomics. The roles' code is in
-// bwd_mainloop.h.
+// elementwise math, dQ staging, the dK / dV epilogue). The CTA walks every query head of its GQA group, so dK and
+// dV are reduced over the group in registers: no expanded copies, no atomics. The roles' code is in bwd_mainloop.h.
 #pragma once
 
 #include <cute/tensor.hpp>

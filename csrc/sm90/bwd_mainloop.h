@@ -237,13 +237,9 @@ struct DsExchange {
     __device__ __forceinline__ void send(int it) const {
         int const b = it % 2;
         uint32_t const src = cute::cast_smem_ptr_to_uint(shared.ds.data() + b * kBufferElements);
-        uint32_t dst, bar;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                     : "=r"(dst)
-                     : "r"(cute::cast_smem_ptr_to_uint(shared.ds_peer.data() + b * kBufferElements)), "r"(peer));
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                     : "=r"(bar)
-                     : "r"(cute::cast_smem_ptr_to_uint(&shared.peer_ds_full[b])), "r"(peer));
+        uint32_t const dst =
+            cute::set_block_rank(cute::cast_smem_ptr_to_uint(shared.ds_peer.data() + b * kBufferElements), peer);
+        uint32_t const bar = cute::set_block_rank(cute::cast_smem_ptr_to_uint(&shared.peer_ds_full[b]), peer);
         asm volatile(
             "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
             "r"(src), "r"(Traits::kdSBytes), "r"(bar)
@@ -548,7 +544,8 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
             // the slice over the other block's keys, and the additions from registers.
             auto acc_dq = partition_fragment_C(mma_dq_slice, Shape<_64, Int<Traits::kdQSliceCols>>{});
             Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
-            Tensor tdQrKt_own = kt_slice(rank * Traits::kdQRounds + wg);
+            int const dq_slice = rank * Traits::kdQRounds + wg;  // of K^T's head-dim tiles and the workspace's runs
+            Tensor tdQrKt_own = kt_slice(dq_slice);
             gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_own, acc_dq);
             Tensor tdKsdS = tdKVsPdS(_, _, _, buf);
             gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
@@ -563,8 +560,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
             warpgroup_wait<0>();  // dQ is done: the received dS^T is free
             if (wg_tid == 0) { exchange.release_received(it); }
             int64_t const dq_row = dq_accum_row(params, seq, cur.head) + row0;
-            add_dq<128>(params.dq_accum + dq_row * kHeadDim + (rank * Traits::kdQRounds + wg) * Traits::kdQStagedFloats,
-                        acc_dq, wg_tid);
+            add_dq<128>(params.dq_accum + dq_row * kHeadDim + dq_slice * Traits::kdQStagedFloats, acc_dq, wg_tid);
         } else {
             // dQ (or its first slice) before dK: its staging below then runs under the dK GEMM.
             auto acc_dq = [&] {
