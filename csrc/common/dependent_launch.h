@@ -1,9 +1,10 @@
-// Programmatic dependent launch (sm_90 and later): a kernel launched by launch_after_prior may be scheduled while the
-// kernel before it on the stream still runs, so that its launch and CTA start-up hide behind that kernel's tail in
-// place of following it. Such a kernel calls wait_for_prior_grid before its first access to global memory: that
-// returns once the prior grid has finished and its writes are visible, so the pair computes what two plain launches
-// do. A prior kernel that calls allow_dependent_launch lets the dependent be scheduled as soon as each of its CTAs
-// has made that call, not only when they exit.
+// Kernel launches through cudaLaunchKernelEx: with attributes (launch_with), and by programmatic dependent launch
+// (sm_90 and later): a kernel launched by launch_after_prior may be scheduled while the kernel before it on the stream
+// still runs, so that its launch and CTA start-up hide behind that kernel's tail in place of following it. Such a
+// kernel calls wait_for_prior_grid before its first access to global memory: that returns once the prior grid has
+// finished and its writes are visible, so the pair computes what two plain launches do. A prior kernel that calls
+// allow_dependent_launch lets the dependent be scheduled as soon as each of its CTAs has made that call, not only
+// when they exit.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -42,22 +43,29 @@ bool waits_for_prior_grid(int device) {
     return yes;
 }
 
-// Kernel<<<grid, block, smem, stream>>>(args...), free to start before the prior kernel ends where the kernel waits
-// for it (waits_for_prior_grid).
+// Kernel<<<grid, block, smem, stream>>>(args...) with launch attributes (a cluster shape, programmatic serialization).
 template <auto Kernel, class... Args>
-cudaError_t launch_after_prior(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
-                               Args const&... args) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+cudaError_t launch_with(cudaLaunchAttribute* attrs, unsigned num_attrs, dim3 grid, dim3 block, size_t smem,
+                        cudaStream_t stream, Args const&... args) {
     cudaLaunchConfig_t config{};
     config.gridDim = grid;
     config.blockDim = block;
     config.dynamicSmemBytes = smem;
     config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = waits_for_prior_grid<Kernel>(device) ? 1 : 0;
+    config.attrs = attrs;
+    config.numAttrs = num_attrs;
     return cudaLaunchKernelEx(&config, Kernel, args...);
+}
+
+// Kernel<<<grid, block, smem, stream>>>(args...), free to start before the prior kernel ends where the kernel waits
+// for it (waits_for_prior_grid).
+template <auto Kernel, class... Args>
+cudaError_t launch_after_prior(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
+                               Args const&... args) {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    return launch_with<Kernel>(&attr, waits_for_prior_grid<Kernel>(device) ? 1 : 0, grid, block, smem, stream, args...);
 }
 
 }  // namespace flash

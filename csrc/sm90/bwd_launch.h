@@ -12,6 +12,7 @@
 
 #include "../common/block_scheduler.h"
 #include "../common/bwd_workspace.h"
+#include "../common/dependent_launch.h"
 #include "../common/kernel_registry.h"
 #include "../common/kernels/bwd_preprocess.h"
 #include "../common/params.h"
@@ -85,19 +86,14 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
     constexpr int kSmem = Traits::kSmemBytes;
     if (cudaError_t err = allow_smem<&bwd_kernel<Traits>>(kSmem, hints.device); err != cudaSuccess) { return err; }
     if constexpr (Traits::kKeyPair) {
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = 2;
-        attr[0].val.clusterDim.y = 1;
-        attr[0].val.clusterDim.z = 1;
-        cudaLaunchConfig_t config{};
-        config.gridDim = dim3(unsigned(main_blocks));
-        config.blockDim = dim3(Traits::kNThreads);
-        config.dynamicSmemBytes = kSmem;
-        config.stream = stream;
-        config.attrs = attr;
-        config.numAttrs = 1;
-        if (cudaError_t err = cudaLaunchKernelEx(&config, &bwd_kernel<Traits>, args); err != cudaSuccess) {
+        cudaLaunchAttribute pair{};
+        pair.id = cudaLaunchAttributeClusterDimension;
+        pair.val.clusterDim.x = 2;
+        pair.val.clusterDim.y = 1;
+        pair.val.clusterDim.z = 1;
+        if (cudaError_t err = launch_with<&bwd_kernel<Traits>>(&pair, 1, unsigned(main_blocks), Traits::kNThreads, kSmem,
+                                                               stream, args);
+            err != cudaSuccess) {
             return err;
         }
     } else {
