@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cpu_helpers import CU_K, CU_Q, call_varlen, int32, leaves, make_qkv, make_varlen, rand, varlen_ref
-from flash_attention import (_checks, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+from flash_attention import (_checks, _ops, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                              flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
 from flash_attention.interface import normalize_window, pad_head_dim
 from helpers import bf16, fp16
@@ -156,6 +156,16 @@ def test_empty_sequences(no_extension, monkeypatch, b, sq, sk):
     out.backward(torch.randn_like(out))
     for x in (q, k, v):
         assert x.grad.shape == x.shape and x.grad.dtype == x.dtype and not x.grad.any()
+
+
+@pytest.mark.parametrize("b, sq, sk", [(2, 0, 7), (2, 5, 0), (0, 5, 7)], ids=["sq0", "sk0", "b0"])
+def test_empty_sequences_without_grad(no_extension, monkeypatch, b, sq, sk):
+    """Without gradient, where a decode-shaped call would take the split kernels: empty calls still run no kernel."""
+    monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
+    monkeypatch.setattr(_ops, "split_kernels_available", lambda q, tier: True)
+    q, k, v = make_qkv(b=b, sq=sq, sk=sk, d=64)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.shape == q.shape and not out.any() and lse.shape == (b, 4, sq) and (lse == float("-inf")).all()
 
 
 class Traced(Exception):
