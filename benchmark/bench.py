@@ -14,6 +14,7 @@ CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, flash-attn 2 (`flash_attn`) an
     python benchmark/bench.py --shape 1,4096,4096,32,8,128 --causal yes
     python benchmark/bench.py --mode bwd              # backward of ours and ours_det beside the peers' backward
     python benchmark/bench.py --mode fwdbwd --hdims 128 --seqlens 4096,16384
+    python benchmark/bench.py --mode bwd --kernels --peers fa4   # and each one's kernels: us per call, longest first
 
 Variable-length batches (--varlen [MIXES], with any --mode): 16k tokens (--tokens) packed as one varlen batch of
 self-attention sequences (seqlen_q = seqlen_k per sequence), head dims 64 and 128 by default, model dim 2048. Mixes:
@@ -320,6 +321,7 @@ def run_varlen(args, dtype, backward, flops_factor):
         cells = [mix, str(len(lengths)), str(max(lengths)), str(h), str(d), "yes" if causal else "no"]
         cells += result_cells(row, names, bad, ratios, args.eager)
         print("  ".join(c.rjust(w) for c, w in zip(cells, widths)), flush=True)
+        print_kernels(row, names)
     return rows, names, ratios
 
 
@@ -552,6 +554,10 @@ def measure_row(row, attns, names, args, q, k, v, causal, dout, check, flops, ra
         row[f"{name}_ms"] = ms
         if args.eager:  # one sample a round: keep them all
             row[f"{name}_us"], row[f"{name}_us_rounds"] = ms * 1e3, [x * 1e3 for x in samples]
+    if args.kernels:
+        for name, call in runnable.items():
+            with pins[name]():
+                row[f"{name}_kernels_us"] = kernel_times_us(call)
     # Over the same FLOPs, the throughput ratio is the inverse time ratio: > 1 means ours is faster in both modes.
     for num, den, key in ratios:
         mine, theirs = row[f"{num}_ms"], row[f"{den}_ms"]
@@ -565,6 +571,35 @@ def result_cells(row, names, bad, ratios, eager):
     unit = "us" if eager else "tflops"
     cells = [fmt(row.get(f"{n}_{unit}"), ".1f") + ("!" if n in bad else "") for n in names]
     return cells + [fmt(row[key], ".3f") for _, _, key in ratios]
+
+
+def kernel_times_us(fn, calls=5):
+    """Device time per call of each kernel (and memset or copy) that `fn` runs, in us, longest first: torch.profiler
+    over `calls` calls after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        total = getattr(event, "self_device_time_total", None)
+        total = event.self_cuda_time_total if total is None else total
+        if total > 0:
+            times[event.key] = total / calls
+    return dict(sorted(times.items(), key=lambda item: -item[1]))
+
+
+def print_kernels(row, names, top=4):
+    """--kernels: one line per provider under its row, its kernels' us per call, names cut to their first 60
+    characters (without template arguments' tails)."""
+    for name in names:
+        times = row.get(f"{name}_kernels_us")
+        if times:
+            parts = [f"{us:.1f} {key.removeprefix('void ').split('(')[0].strip()[:60]}" for key, us in
+                     itertools.islice(times.items(), top)]
+            print(f"    {name}: {sum(times.values()):.1f} us: " + "; ".join(parts), flush=True)
 
 
 def run_batched(args, dtype, backward, flops_factor):
@@ -605,6 +640,7 @@ def run_batched(args, dtype, backward, flops_factor):
         cells = [str(b), str(sq), str(sk), str(h), str(hk), str(d), "yes" if causal else "no"]
         cells += result_cells(row, names, bad, ratios, args.eager)
         print("  ".join(c.rjust(w) for c, w in zip(cells, widths)), flush=True)
+        print_kernels(row, names)
     return rows, names, ratios
 
 
@@ -759,6 +795,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds per shape, providers in random order (default 5; with --eager 10)")
     parser.add_argument("--no-check", action="store_true", help="skip the fp32 accuracy check")
+    parser.add_argument("--kernels", action="store_true", help="also each provider's kernels' device time per call "
+                        "(torch.profiler), printed under each row and kept in the JSON")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--png", metavar="PATH")
     args = parser.parse_args()
@@ -768,6 +806,8 @@ def main():
         parser.error("--eager times batched shapes (--shape), not --varlen")
     if args.decode and args.varlen:
         parser.error("--decode and --varlen are separate sweeps")
+    if args.kernels and (args.decode or args.eager):
+        parser.error("--kernels breaks down the throughput sweeps (batched or --varlen), not --decode or --eager")
     if args.decode:
         args.shape = args.shape or list(DECODE_SHAPES)
         bad = [s for s in args.shape if args.page_size and s[2] % args.page_size]
