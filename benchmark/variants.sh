@@ -5,6 +5,7 @@
 #
 #   here:        benchmark/variants.sh pack .variants main sm90-bwd-m80 ...   # git archive of each revision
 #   GPU machine: benchmark/variants.sh build .variants                        # (carry .variants and .whl)
+#                (nvcc jobs per tree: the cores / the trees, or VARIANT_JOBS)
 #                benchmark/variants.sh run .variants 'python3 benchmark/bench.py --mode bwd --json $OUT/bwd_$VARIANT.json'
 #                benchmark/variants.sh run .variants 'python3 -m pytest -m cuda tests/test_bwd.py -q -x'
 #
@@ -32,7 +33,7 @@ build)
   tars=("$dir"/*.tar)
   n=${#tars[@]}
   cores=$(nproc)
-  jobs=$(( cores / n > 0 ? cores / n : 1 ))
+  jobs=${VARIANT_JOBS:-$(( cores / n > 0 ? cores / n : 1 ))}  # VARIANT_JOBS: when several folders build at once
   t0=$(date +%s)
   for tar in "${tars[@]}"; do
     tree="${tar%.tar}"
