@@ -26,7 +26,7 @@ def _lse_shape(q: torch.Tensor):
     return (h, total_q)
 
 
-def _nothing_to_compute(q, k, cu_seqlens_q) -> bool:
+def nothing_to_compute(q, k, cu_seqlens_q) -> bool:
     """No query, key or sequence: every row is fully masked, and no kernel runs."""
     return q.numel() == 0 or k.numel() == 0 or (cu_seqlens_q is not None and cu_seqlens_q.shape[0] <= 1)
 
@@ -36,7 +36,7 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_
     """(out, lse) of the forward kernel on validated operands whose head dim is a multiple of 8; the binding copies
     operands whose strides or alignment the kernels cannot load, and allocates the outputs. With nothing to compute,
     out is 0 and lse -inf, and no kernel runs."""
-    if _nothing_to_compute(q, k, cu_seqlens_q):
+    if nothing_to_compute(q, k, cu_seqlens_q):
         return q.new_zeros(q.shape), q.new_full(_lse_shape(q), float("-inf"), dtype=torch.float32)
     ext = _dispatch.load_extension()
     tier_id, kernel_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, tier)
@@ -47,7 +47,7 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_
 def backward_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                   max_seqlen_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, tier):
     """(dq, dk, dv) of the backward kernel; zero with nothing to compute."""
-    if _nothing_to_compute(q, k, cu_seqlens_q):
+    if nothing_to_compute(q, k, cu_seqlens_q):
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     ext = _dispatch.load_extension()
     tier_id, kernel_dim = _dispatch.resolve(q.device, "bwd", q.shape[-1], q.dtype, tier)
@@ -338,7 +338,7 @@ def _differentiable(q, k, v, args) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) with the backward as the binding's C++ autograd node; both kernels are resolved now (a tier override
     read at the forward holds for its backward). Without a backward kernel (a build with FLASH_ATTN_KINDS=fwd) the
     forward still runs: the Python twin defers the backward's lookup, and its error, to the backward."""
-    if _nothing_to_compute(q, k, args[0]):
+    if nothing_to_compute(q, k, args[0]):
         return _EagerAttention.apply(q, k, v, args)
     ext = _dispatch.load_extension()
     tier = args[-1]

@@ -105,9 +105,9 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     window = normalize_window(window_size, causal, q.shape[1], k.shape[1])
     b, sq, h, d = q.shape
     hk = k.shape[2]
-    # Empty calls (no batch, query or key) skip the decode route: the general path returns them without a kernel.
-    if sq <= 64 and q.numel() and k.numel() and alibi_slopes is None and d % 8 == 0 and not _ops.needs_grad(q, k, v) \
-            and _ops.split_kernels_available(q, tier):
+    # Empty calls skip the decode route: the general path returns them without a kernel.
+    if sq <= 64 and not _ops.nothing_to_compute(q, k, None) and alibi_slopes is None and d % 8 == 0 \
+            and not _ops.needs_grad(q, k, v) and _ops.split_kernels_available(q, tier):
         return _decode_forward(q, k, v, softmax_scale, window, softcap, tier)
     if sq == 1 and h > hk and window == (-1, -1) and alibi_slopes is None:
         # A decode step with GQA: its one query row sees every key in every head, so pack_gqa applies (a view here).
