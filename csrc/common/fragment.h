@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cuda_fp16.h>
 #include <cutlass/numeric_conversion.h>
 
+#include <cstdint>
 #include <type_traits>
 
 namespace flash {
@@ -42,6 +44,19 @@ __device__ __forceinline__ void convert_fragment_into(TensorSrc const& src, Tens
     cutlass::NumericArrayConverter<To, From, N> convert;
     *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
         convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+}
+
+// Element i of 16-bit floats packed two to a 32-bit word (element 2j in word j's low half), as fp32, from its word:
+// no 16-bit value is moved into a register of its own.
+template <typename T>
+__device__ __forceinline__ float packed_element(uint32_t const* words, int i) {
+    uint32_t const w = words[i / 2];
+    if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+        return __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
+    } else {
+        static_assert(std::is_same_v<T, cutlass::half_t>);
+        return __half2float(__ushort_as_half(static_cast<unsigned short>(i % 2 ? w >> 16 : w & 0xffffu)));
+    }
 }
 
 // `t` converted to To, in a new fragment of the same layout.

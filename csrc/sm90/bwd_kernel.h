@@ -91,17 +91,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     // accumulation order).
     // kKeyPair: a cluster's two CTAs (ranks 0 and 1) take key blocks 2j and 2j + 1 of a 2 * kBlockN tile, and both
     // walk the query blocks that see either block (blocks past the diagonal or the keys' end are masked whole).
+    // Each role decodes its tile after the register split (from a re-read block index): kept live from one decoding
+    // before it, the tile's coordinates were spilled and reloaded in the consumers' loop (d 128).
     constexpr int kTileKeys = Traits::kKeyPair ? 2 * kBlockN : kBlockN;
     bool const reverse = params.deterministic && params.window_right >= 0;
-    TileCoord blk = decode_tile<kTileKeys>(Traits::kKeyPair ? blockIdx.x / 2 : blockIdx.x, params.cu_seqlens_k,
-                                           params.seqused_k, params.sk, params.b, params.hk, reverse, args.section);
-    if (!blk.valid) { return; }
-    SeqlenInfo const seq(params, blk.batch);
-    AttnWindow const window = seq.window(params);
-    Interval const m_range = BlockRange<kBlockM, kTileKeys>::m_blocks(window, blk.block);
-    if constexpr (Traits::kKeyPair) { blk.block = 2 * blk.block + int(cute::block_rank_in_cluster()); }
-    KeyBlockWork const work{blk, seq, window, m_range};
-    bool const has_work = work.iterations(params) > 0;
+    auto work_at = [&](int block_index) {
+        TileCoord blk = decode_tile<kTileKeys>(Traits::kKeyPair ? block_index / 2 : block_index, params.cu_seqlens_k,
+                                               params.seqused_k, params.sk, params.b, params.hk, reverse,
+                                               args.section);
+        SeqlenInfo const seq(params, blk.batch);
+        AttnWindow const window = seq.window(params);
+        Interval const m_range = BlockRange<kBlockM, kTileKeys>::m_blocks(window, blk.block);
+        if constexpr (Traits::kKeyPair) { blk.block = 2 * blk.block + int(cute::block_rank_in_cluster()); }
+        return KeyBlockWork{blk, seq, window, m_range};
+    };
+    if (!work_at(blockIdx.x).blk.valid) { return; }
 
     if (tid == 0) {
         cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full, 1);
@@ -120,6 +124,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
     if (tid < 128) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+        KeyBlockWork const work = work_at(block_index_reread());
+        bool const has_work = work.iterations(params) > 0;
         int const warp = tid / 32;
         if (warp == 0 && has_work && cute::elect_one_sync()) { load_bwd<Traits>(args, shared, work); }
         if constexpr (!Traits::kKeyPair) {
@@ -129,13 +135,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     }
 
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    KeyBlockWork const work = work_at(block_index_reread());
+    SeqlenInfo const& seq = work.seq;
+    TileCoord const& blk = work.blk;
     int const ctid = tid - 128;
     typename Traits::TiledMmadKV mma_dkv;
     Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     clear(acc_dk);
     clear(acc_dv);
-    if (has_work) { consume_bwd<Traits>(params, shared, work, ctid, acc_dk, acc_dv); }
+    if (work.iterations(params) > 0) { consume_bwd<Traits>(params, shared, work, ctid, acc_dk, acc_dv); }
 
     // A key block that no query sees stores zeros.
     if (params.cu_seqlens_k == nullptr && params.seqused_k == nullptr) {

@@ -515,19 +515,19 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         }
         warpgroup_wait<1>();  // dP^T is done
 
-        // With dP^T issued after P, S^T's fp32 registers are gone: dS takes P from its 16-bit copy.
-        auto p_qk = [&] {
-            if constexpr (kdPAfterP) {
-                return transposed(rowcol_view(make_tensor(tdVrP.data(), AccSLayout{})));
-            } else {
-                return s_qk;
-            }
-        }();
+        // With dP^T issued after P, S^T's fp32 registers are gone: dS takes P from its 16-bit copy, read by 32-bit
+        // words (tdVrP is in the accumulators' storage order), so that the packed registers stay its only copy; read
+        // element by element, ptxas kept each 16-bit value in a register of its own and repacked the dV GEMM's
+        // operand from them (64 more live registers, and PRMTs).
+        uint32_t const* p_words = reinterpret_cast<uint32_t const*>(tdVrP.data());
         CUTE_UNROLL
         for (int c = 0; c < kCols; ++c) {
             float const d = kSoftcap ? 0.f : dpsum[get<0>(coord_qk(c, 0))];
             CUTE_UNROLL
-            for (int k = 0; k < size<1>(dp_qk); ++k) { dp_qk(c, k) = float(p_qk(c, k)) * (dp_qk(c, k) - d); }
+            for (int k = 0; k < size<1>(dp_qk); ++k) {
+                float const p = kdPAfterP ? packed_element<Element>(p_words, dp_qk.layout()(c, k)) : s_qk(c, k);
+                dp_qk(c, k) = p * (dp_qk(c, k) - d);
+            }
         }
         // dS in accumulator order: the registers of the dK GEMM's A operand, and stmatrix's source.
         Tensor r_ds = make_tensor<Element>(AccSLayout{});
