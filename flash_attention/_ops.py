@@ -166,17 +166,32 @@ fwd.register_autograd(lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, 
 SPLIT_TIER = "sm80"
 
 
+# (device index, head dim, dtype, forward tier) -> (tier id, kernel head dim) of fwd_split's forward kernel, then of
+# its combine kernel, or None where the build lacks one: a decode step resolves them with one lookup.
+_split_routes = {}
+
+
+def _split_route(q: torch.Tensor, fwd_tier: str):
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    key = (index, q.shape[-1], q.dtype, fwd_tier)
+    route = _split_routes.get(key, False)
+    if route is False:
+        try:
+            tier_id, kernel_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, fwd_tier)
+            route = (tier_id, kernel_dim) + _dispatch.resolve(q.device, "combine", q.shape[-1], q.dtype, SPLIT_TIER)
+        except RuntimeError:
+            route = None
+        _split_routes[key] = route
+    return route
+
+
 def split_kernels_available(q: torch.Tensor, tier: Optional[str]) -> bool:
     """Whether fwd_split can serve q: a CUDA tensor, no tier override other than SPLIT_TIER, and the build holds that
-    tier's forward and combine kernels for q's head dim and dtype."""
+    tier's forward and combine kernels for q's head dim and dtype (at the same kernel head dim)."""
     if not q.is_cuda or _dispatch.requested_tier(tier) not in (None, SPLIT_TIER):
         return False
-    try:
-        fwd_key = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, SPLIT_TIER)
-        combine_key = _dispatch.resolve(q.device, "combine", q.shape[-1], q.dtype, SPLIT_TIER)
-    except RuntimeError:
-        return False
-    return fwd_key == combine_key
+    route = _split_route(q, SPLIT_TIER)
+    return route is not None and route[:2] == route[2:]
 
 
 def split_tier_is_default(q: torch.Tensor, tier: Optional[str]) -> bool:
@@ -286,8 +301,11 @@ def split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale
                        num_splits, packed_heads, tier):
     ext = _dispatch.load_extension()
     fwd_tier = split_forward_tier(q, k, block_table, leftpad_k, packed_heads, tier)
-    tier_id, kernel_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, fwd_tier)
-    combine_id, _ = _dispatch.resolve(q.device, "combine", q.shape[-1], q.dtype, SPLIT_TIER)
+    route = _split_route(q, fwd_tier)
+    if route is None:  # raises the build's error
+        _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, fwd_tier)
+        _dispatch.resolve(q.device, "combine", q.shape[-1], q.dtype, SPLIT_TIER)
+    tier_id, kernel_dim, combine_id, _ = route
     return ext.fwd_split(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right,
                          softcap, num_splits, packed_heads, kernel_dim, tier_id, combine_id)
 
