@@ -133,14 +133,19 @@ def check_kernel_available(available, tier: str, head_dim: int, dtype_name: str,
         )
 
 
-def _route(device_index: int, kind: str, head_dim: int, dtype: torch.dtype, override: Optional[str]) -> Tuple[int, int]:
+def _route(index: int, kind: str, head_dim: int, dtype: torch.dtype, override: Optional[str]) -> Tuple[int, int]:
     available = available_kernels()
     dtype_name = DTYPE_NAMES[dtype]
-    tier = routed_tier(available, select_tier(torch.cuda.get_device_capability(device_index), override), head_dim,
+    tier = routed_tier(available, select_tier(torch.cuda.get_device_capability(index), override), head_dim,
                        dtype_name, kind, override is not None)
     check_kernel_available(available, tier, head_dim, dtype_name, kind)
     key = kernel_key(tier, kind, head_dim, dtype_name)
     return key[0], key[2]
+
+
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index; the current device's for a bare "cuda"."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 # (device index, kind, head dim, dtype, override) -> (tier id, kernel head dim); a plain dict, the cheapest lookup.
@@ -151,8 +156,7 @@ def resolve(device: torch.device, kind: str, head_dim: int, dtype: torch.dtype, 
     """(tier id, kernel head dim) of the kernel that runs this call. Resolved at run time rather than by the caller, so
     that FLASH_ATTN_TIER is read on every call, also under torch.compile; the rest is cached per key (an error is
     not: it is raised again on the next call)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, kind, head_dim, dtype, requested_tier(tier))
+    key = (device_index(device), kind, head_dim, dtype, requested_tier(tier))
     found = _resolved.get(key)
     if found is None:
         found = _resolved[key] = _route(*key)

@@ -172,8 +172,7 @@ _split_routes = {}
 
 
 def _split_route(q: torch.Tensor, fwd_tier: str):
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    key = (index, q.shape[-1], q.dtype, fwd_tier)
+    key = (_dispatch.device_index(q.device), q.shape[-1], q.dtype, fwd_tier)
     route = _split_routes.get(key, False)
     if route is False:
         try:
@@ -247,8 +246,7 @@ def _sm_count_of(index: int) -> int:
 
 
 def _sm_count(device: torch.device) -> int:
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 1
+    return _sm_count_of(_dispatch.device_index(device)) if device.type == "cuda" else 1
 
 
 @torch.library.custom_op("flash_attention::fwd_split", mutates_args=())
