@@ -10,7 +10,7 @@ directly, and one that does gets the binding's C++ autograd node (`_differentiab
 """
 
 import functools
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -167,7 +167,7 @@ SPLIT_TIER = "sm80"
 
 
 # (device index, head dim, dtype, forward tier) -> (tier id, kernel head dim) of fwd_split's forward kernel, then of
-# its combine kernel, or None where the build lacks one: a decode step resolves them with one lookup.
+# its combine kernel, or None where the build lacks one.
 _split_routes = {}
 
 
@@ -184,13 +184,39 @@ def _split_route(q: torch.Tensor, fwd_tier: str):
     return route
 
 
+class DecodeRoute(NamedTuple):
+    """What a decode-shaped call needs to run fwd_split on SPLIT_TIER's kernels, found once per key."""
+    fwd_tier: int  # tier id and kernel head dim of the forward, whose combine kernel is the same tier's and dim's
+    head_dim: int
+    combine_tier: int
+    sm_count: int  # of q's device, for split_count
+
+
+# (device index or -1, head dim, dtype, tier override) -> its DecodeRoute, or None where fwd_split cannot serve it: a
+# decode step finds everything with one lookup.
+_decode_routes = {}
+
+
+def decode_route(q: torch.Tensor, tier: Optional[str]) -> Optional[DecodeRoute]:
+    """fwd_split's kernels for q on SPLIT_TIER: None unless q is a CUDA tensor, no tier override other than SPLIT_TIER
+    is in force, and the build holds that tier's forward and combine kernels for q's head dim and dtype (at the same
+    kernel head dim)."""
+    override = _dispatch.requested_tier(tier)
+    key = (q.get_device(), q.shape[-1], q.dtype, override)
+    route = _decode_routes.get(key, False)
+    if route is False:
+        route = None
+        if q.is_cuda and override in (None, SPLIT_TIER):
+            found = _split_route(q, SPLIT_TIER)
+            if found is not None and found[:2] == found[2:]:
+                route = DecodeRoute(*found[:3], sm_count(q.device))
+        _decode_routes[key] = route
+    return route
+
+
 def split_kernels_available(q: torch.Tensor, tier: Optional[str]) -> bool:
-    """Whether fwd_split can serve q: a CUDA tensor, no tier override other than SPLIT_TIER, and the build holds that
-    tier's forward and combine kernels for q's head dim and dtype (at the same kernel head dim)."""
-    if not q.is_cuda or _dispatch.requested_tier(tier) not in (None, SPLIT_TIER):
-        return False
-    route = _split_route(q, SPLIT_TIER)
-    return route is not None and route[:2] == route[2:]
+    """Whether fwd_split can serve q (decode_route)."""
+    return decode_route(q, tier) is not None
 
 
 def split_tier_is_default(q: torch.Tensor, tier: Optional[str]) -> bool:
@@ -226,17 +252,16 @@ def decode_ctas_per_sm(head_dim: int, rows: int) -> int:
     return 3 if rows <= 16 and head_dim <= 64 else 2
 
 
-def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int,
-                device: torch.device) -> int:
+def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int, sm_count: int) -> int:
     """Key chunks per sequence for fwd_split of b sequences of `rows` query rows (GQA-packed or not) over `heads`
     heads: num_splits when given (at most one per key); with 0, as many as keep the query tiles (one per 64 rows) x
     chunks within one wave of the decode kernel's CTAs (decode_ctas_per_sm: its K/V loads need every CTA an SM holds
-    to keep HBM busy; a second, partial wave costs more than fewer chunks), chunks of at least 512 keys, at most 64
-    (H100 and H200, RESULTS.md)."""
+    to keep HBM busy; a second, partial wave costs more than fewer chunks) on sm_count SMs, chunks of at least 512
+    keys, at most 64 (H100 and H200, RESULTS.md)."""
     if num_splits > 0:
         return max(1, min(num_splits, keys, 256))
     tiles = b * heads * -(-rows // 64)
-    waves = decode_ctas_per_sm(head_dim, rows) * _sm_count(device)
+    waves = decode_ctas_per_sm(head_dim, rows) * sm_count
     return max(1, min(waves // max(tiles, 1), keys // 512, 64))
 
 
@@ -245,7 +270,7 @@ def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return _sm_count_of(_dispatch.device_index(device)) if device.type == "cuda" else 1
 
 
@@ -312,6 +337,18 @@ def split_attention(q, k, v, *args) -> Tuple[torch.Tensor, torch.Tensor]:
     """fwd_split(q, k, v, *args): through the op when traced, else straight to the binding (a decode step cannot
     afford the dispatcher's overhead around a Python op)."""
     return split_forward_impl(q, k, v, *args) if _eager(q, k, v) else fwd_split(q, k, v, *args)
+
+
+def decode_attention(route: DecodeRoute, q, k, v, softmax_scale, window_left, window_right, softcap, num_splits,
+                     packed_heads, tier) -> Tuple[torch.Tensor, torch.Tensor]:
+    """split_attention of a decode-shaped call (at most 64 query rows a head, or GQA-packed; no seqused, page table or
+    left padding), whose forward runs on SPLIT_TIER: eagerly on the kernels of route (decode_route(q, tier))."""
+    if _eager(q, k, v):
+        return _dispatch.load_extension().fwd_split(q, k, v, None, None, None, softmax_scale, window_left,
+                                                    window_right, softcap, num_splits, packed_heads, route.head_dim,
+                                                    route.fwd_tier, route.combine_tier)
+    return fwd_split(q, k, v, None, None, None, softmax_scale, window_left, window_right, softcap, num_splits,
+                     packed_heads, tier)
 
 
 @fwd_split.register_fake

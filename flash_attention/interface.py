@@ -107,8 +107,10 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     hk = k.shape[2]
     # Empty calls skip the decode route: the general path returns them without a kernel.
     if sq <= 64 and not _ops.nothing_to_compute(q, k, None) and alibi_slopes is None and d % 8 == 0 \
-            and not _ops.needs_grad(q, k, v) and _ops.split_kernels_available(q, tier):
-        return _decode_forward(q, k, v, softmax_scale, window, softcap, tier)
+            and not _ops.needs_grad(q, k, v):
+        route = _ops.decode_route(q, tier)
+        if route is not None:
+            return _decode_forward(q, k, v, softmax_scale, window, softcap, tier, route)
     if sq == 1 and h > hk and window == (-1, -1) and alibi_slopes is None:
         # A decode step with GQA: its one query row sees every key in every head, so pack_gqa applies (a view here).
         out, lse = _attention(pack_gqa(q, hk), k, v, _BATCHED, softmax_scale, window, softcap, None, deterministic,
@@ -117,18 +119,19 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     return _attention(q, k, v, _BATCHED, softmax_scale, window, softcap, alibi_slopes, deterministic, tier)
 
 
-def _decode_forward(q, k, v, softmax_scale, window, softcap, tier):
+def _decode_forward(q, k, v, softmax_scale, window, softcap, tier, route):
     """A decode-shaped call without gradient (at most 64 query rows) on the native split kernels: the query heads of a
     kv head packed into one tile's rows (each masked as its query row), the keys cut into chunks that fill the GPU
     (_ops.split_count), merged by the combine kernel. On Hopper it beat the SM90 forward, whose one CTA per (batch,
-    head) leaves most SMs idle, on two of three measured shapes (b 8 with 4k keys lost 12%; RESULTS.md)."""
+    head) leaves most SMs idle, on two of three measured shapes (b 8 with 4k keys lost 12%; RESULTS.md). route:
+    _ops.decode_route(q, tier)."""
     b, sq, h, d = q.shape
     hk = k.shape[2]
     group = h // hk
     packed = pack_gqa(q, hk) if group > 1 else q
-    splits = _ops.split_count(0, b, hk, sq * group, k.shape[1], d, q.device)
+    splits = _ops.split_count(0, b, hk, sq * group, k.shape[1], d, route.sm_count)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = _ops.split_attention(packed, k, v, None, None, None, scale, *window, softcap, splits, group, tier)
+    out, lse = _ops.decode_attention(route, packed, k, v, scale, *window, softcap, splits, group, tier)
     return unpack_gqa(out, lse, sq) if group > 1 else (out, lse)
 
 

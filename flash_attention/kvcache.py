@@ -269,14 +269,14 @@ def flash_attn_with_kvcache(
         else:
             keys, values, table = (_cache_rows(k_cache, None, cache_batch_idx, b),
                                    _cache_rows(v_cache, None, cache_batch_idx, b), None)
-        splits = _ops.split_count(num_splits, b, heads, rows, cache_len, d, q.device)
+        splits = _ops.split_count(num_splits, b, heads, rows, cache_len, d, _ops.sm_count(q.device))
         leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
         out, lse = _ops.split_attention(q, keys, values, used, table, leftpad, scale, *window, cap, splits,
                                         group if pack else 1, tier)
         if pack:
             out, lse = interface.unpack_gqa(out, lse, sq)
         return (out, lse) if return_softmax_lse else out
-    splits = _ops.split_count(num_splits, b, heads, rows, cache_len, d, q.device) if exact else 1
+    splits = _ops.split_count(num_splits, b, heads, rows, cache_len, d, _ops.sm_count(q.device)) if exact else 1
     keys = _cache_rows(k_cache, block_table, cache_batch_idx, b)
     values = _cache_rows(v_cache, block_table, cache_batch_idx, b)
     chunk = -(-cache_len // splits)

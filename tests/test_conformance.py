@@ -261,12 +261,12 @@ def test_decode_shaped_calls_take_the_split_kernels(stub_kernel, monkeypatch, sq
     from flash_attention import _ops
     split_calls = []
 
-    def fake_split(q, k, v, seqused_k, block_table, leftpad_k, scale, left, right, cap, splits, packed_heads, tier):
+    def fake_split(route, q, k, v, scale, left, right, cap, splits, packed_heads, tier):
         split_calls.append(dict(shape=q.shape, window=(left, right), packed_heads=packed_heads, splits=splits))
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
-    monkeypatch.setattr(_ops, "split_kernels_available", lambda q, tier: True)
-    monkeypatch.setattr(_ops, "split_attention", fake_split)
+    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132))
+    monkeypatch.setattr(_ops, "decode_attention", fake_split)
     q = torch.randn(2, sq, 8, 64, dtype=torch.bfloat16, requires_grad=grad)
     k, v = (torch.randn(2, 700, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     out = flash_attn_func(q, k, v, causal=True)

@@ -377,11 +377,11 @@ def pages_of(k, v, page_size):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("splits", [1, 2, 5, 64])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("page_size", [None, 1, 3, 16, 128, 256])
+@pytest.mark.parametrize("page_size", [None, 1, 3, 16, 64, 128, 192, 256])
 @pytest.mark.parametrize("sq", [3, 9, 130])
 def test_native_split_cuda(d, splits, causal, page_size, sq):
     """The native split-KV forward (fp32 partials, merged by the combine kernel; on Hopper the SM90 forward writes
-    them for the prefill-shaped (130 rows), unpacked calls of a contiguous cache or pages of 128 or 256 rows, else
+    them for the prefill-shaped (130 rows), unpacked calls of a contiguous cache or pages of a multiple of 64 rows, else
     the SM80 tier's decode kernels: 16-row tiles whose warps split the keys (3 rows, 9, 3 packed), 64-row tiles (9
     packed: 36 rows; 130 packed)) per
     sequence against the fp32 reference over its used keys: GQA, an empty sequence (out 0, lse -inf), one key,
@@ -389,7 +389,7 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
     as the whole call is; rows before the first key see none), with the query heads GQA-packed (each packed row
     masked as its query row) or not. Read from pages (any size, shuffled) 3 rows are the same bits as from the
     contiguous cache (the SM80 decode tile either way), 130 rows are checked against the reference (on Hopper, in
-    pages of 128 or 256: the SM90 forward's TMA boxes)."""
+    pages of 64 to 256: the SM90 forward's TMA boxes, in 64-key blocks where the tile's do not divide the page)."""
     from flash_attention import _ops, interface
     require_kernel(d, bf16)
     require_kernel(d, bf16, "combine")
@@ -407,7 +407,7 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
             out, lse = _ops.split_attention(q, k, v, used, None, None, *args, 1, _ops.SPLIT_TIER)
             assert torch.equal(paged[0], out) and torch.equal(paged[1], lse)
             return
-        results = [paged]  # 130 rows: tiles that differ from the contiguous call's (SM90 d 256: 64-key blocks)
+        results = [paged]  # 130 rows: tiles that may differ from the contiguous call's (SM90: 64-key blocks)
     else:
         out, lse = _ops.split_attention(q, k, v, used, None, None, *args, 1, None)
         packed_out, packed_lse = _ops.split_attention(interface.pack_gqa(q, hk), k, v, used, None, None, *args,
@@ -536,13 +536,12 @@ def test_decode_step_in_cuda_graph(page_size):
     (64, 8, 8, 2048, 128, 1),    # the tiles fill the GPU already
     (1, 1, 8, 1 << 17, 128, 64),  # at most 64 chunks
 ])
-def test_split_count_fills_one_wave(monkeypatch, b, heads, rows, keys, d, expected):
+def test_split_count_fills_one_wave(b, heads, rows, keys, d, expected):
     """num_splits=0 picks as many key chunks as fill one wave of the decode kernel's CTAs (132 SMs here), by the
     tile's occupancy."""
     from flash_attention import _ops
-    monkeypatch.setattr(_ops, "_sm_count", lambda device: 132)
-    assert _ops.split_count(0, b, heads, rows, keys, d, torch.device("cpu")) == expected
-    assert _ops.split_count(5, b, heads, rows, keys, d, torch.device("cpu")) == 5
+    assert _ops.split_count(0, b, heads, rows, keys, d, 132) == expected
+    assert _ops.split_count(5, b, heads, rows, keys, d, 132) == 5
 
 
 @pytest.mark.parametrize("sq, table, leftpad, packed, tier, expected", [
@@ -550,10 +549,12 @@ def test_split_count_fills_one_wave(monkeypatch, b, heads, rows, keys, d, expect
     (65, None, None, 1, "sm80", "sm80"),        # a tier override is kept
     (64, None, None, 1, None, "sm80"),          # decode-shaped: the SM80 decode kernels were faster there
     (512, None, None, 4, None, "sm80"),         # GQA-packed rows, masked as their queries only by the SM80 tier
-    (512, 256, None, 1, None, "sm90"),          # pages of a multiple of 128 rows: by TMA boxes
+    (512, 256, None, 1, None, "sm90"),          # pages of a multiple of 128 rows: by TMA boxes, 128-key blocks
     (512, 128, None, 1, None, "sm90"),
+    (512, 64, None, 1, None, "sm90"),           # of 64 rows: 64-key blocks
+    (512, 192, None, 1, None, "sm90"),
     (512, 16, None, 1, None, "sm80"),           # smaller pages
-    (512, 192, None, 1, None, "sm80"),
+    (512, 96, None, 1, None, "sm80"),
     (512, None, "leftpad", 1, None, "sm80"),    # left-padded
     (512, None, None, 1, "unbuilt", "sm80"),    # no forward kernel for the call: the split tier's error path
 ])

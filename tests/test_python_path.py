@@ -162,7 +162,7 @@ def test_empty_sequences(no_extension, monkeypatch, b, sq, sk):
 def test_empty_sequences_without_grad(no_extension, monkeypatch, b, sq, sk):
     """Without gradient, where a decode-shaped call would take the split kernels: empty calls still run no kernel."""
     monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
-    monkeypatch.setattr(_ops, "split_kernels_available", lambda q, tier: True)
+    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132))
     q, k, v = make_qkv(b=b, sq=sq, sk=sk, d=64)
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
     assert out.shape == q.shape and not out.any() and lse.shape == (b, 4, sq) and (lse == float("-inf")).all()

@@ -63,6 +63,7 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
         1,
         {}};
     if constexpr (kPaged) {  // the pools: k and v's batch stride is their page stride
+        if (params.page_size % Traits::kBlockN != 0) { return cudaErrorInvalidValue; }  // a key block in one page
         args.pages.k = tma_kv(params.k, params.page_size, params.k_row_stride, params.k_head_stride,
                               params.k_batch_stride, params.num_pages);
         args.pages.v = tma_kv(params.v, params.page_size, params.v_row_stride, params.v_head_stride,
@@ -97,28 +98,22 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
 // beside the softmax and a third warpgroup's GEMMs fill the gaps. d 128: two, key blocks of 128 (176, as
 // FlashAttention-3 uses for unmasked tiles, measured 3-8% slower here at 2k, equal at 8k, and spills). d 256: two,
 // the widest key block whose two K and V stages fit beside Q (224 KB).
+// A paged cache's key blocks lie whole in a page (kPageMultiple): pages that are not a multiple of the tile's block
+// take blocks of 64 keys, in twice the stages (the same bytes in flight).
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
-    auto launch = [&](auto traits) {
-        using Traits = decltype(traits);
-        return params.block_table != nullptr ? launch_fwd<Traits, true>(params, hints, stream)
-                                             : launch_fwd<Traits>(params, hints, stream);
-    };
-    if constexpr (kHeadDim == 256) {
-        // A paged cache in key blocks of 64, whole in a page (80-row blocks would take five 16-row boxes per 64
-        // columns, each a page lookup: 1.27x the contiguous time at 2 x 2048, H200).
-        if (params.block_table != nullptr) {
-            return launch_fwd<FwdTraits<256, FwdTile{.block_m = 128, .block_n = 64, .kv_stages = 2}, Element>, true>(
-                params, hints, stream);
-        }
-        return launch_fwd<FwdTraits<256, FwdTile{.block_m = 128, .block_n = 80, .kv_stages = 2}, Element>>(
-            params, hints, stream);
-    } else if constexpr (kHeadDim == 128) {
-        return launch(FwdTraits<128, FwdTile{.block_m = 128, .block_n = 128, .kv_stages = 2}, Element>{});
-    } else {
-        static_assert(kHeadDim == 64, "no SM90 forward tile for this head dim");
-        return launch(FwdTraits<64, FwdTile{.block_m = 192, .block_n = 128, .kv_stages = 2}, Element>{});
-    }
+    constexpr FwdTile kTile = kHeadDim == 256   ? FwdTile{.block_m = 128, .block_n = 80, .kv_stages = 2}
+                              : kHeadDim == 128 ? FwdTile{.block_m = 128, .block_n = 128, .kv_stages = 2}
+                                                : FwdTile{.block_m = 192, .block_n = 128, .kv_stages = 2};
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "no SM90 forward tile for this head dim");
+    using Traits = FwdTraits<kHeadDim, kTile, Element>;
+    if (params.block_table == nullptr) { return launch_fwd<Traits>(params, hints, stream); }
+    if (params.page_size % kTile.block_n == 0) { return launch_fwd<Traits, true>(params, hints, stream); }
+    // d 256's two stages of 64 keys are all that fit beside Q (its 80-key blocks would take five 16-row boxes per 64
+    // columns, each a page lookup: 1.27x the contiguous time at 2 x 2048, H200).
+    constexpr FwdTile kPagedTile{.block_m = kTile.block_m, .block_n = kPageMultiple,
+                                 .kv_stages = kHeadDim == 256 ? 2 : 2 * kTile.kv_stages};
+    return launch_fwd<FwdTraits<kHeadDim, kPagedTile, Element>, true>(params, hints, stream);
 }
 
 template <int kHeadDim>
@@ -127,7 +122,7 @@ char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
         return "GQA-packed queries and left padding are taken by the SM80 tier's forward";
     }
     if (params.block_table != nullptr && params.page_size % kPageMultiple != 0) {
-        return "pages of a size that is not a multiple of 128 are taken by the SM80 tier's forward";
+        return "pages of a size that is not a multiple of 64 are taken by the SM80 tier's forward";
     }
     return unsupported_head_dim<kHeadDim, FwdParams>(params, hints);
 }

@@ -101,7 +101,6 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
     auto load_block = [&](auto const& tma, auto const& tXgX, auto const& tXsX, int which, uint64_t& full,
                           int n_block, int stage) {
         if constexpr (kPaged) {
-            static_assert(kPageMultiple % kBlockN == 0, "a paged key block lies in one page");
             auto const& tma_page = which == 0 ? args.pages.k : args.pages.v;
             Tensor m = tma_page.get_tma_tensor(make_shape(params.page_size, params.d, params.hk, params.num_pages));
             int const* table = params.block_table + int64_t(seq.batch) * params.block_table_stride;

@@ -32,8 +32,9 @@ struct FwdTile {
 };
 
 // The page sizes that the paged forward reads are multiples of this (the catalog's Kind.page_multiple): a paged
-// tile's key block (64 or 128 rows) then lies in one page, and arrives as the contiguous cache's does.
-constexpr int kPageMultiple = 128;
+// tile's key block (64 rows, or 128 where the pages are multiples of 128) then lies in one page, and arrives as the
+// contiguous cache's does.
+constexpr int kPageMultiple = 64;
 
 template <int kHeadDim_, FwdTile kTile, typename Element_>
 struct FwdTraits {
