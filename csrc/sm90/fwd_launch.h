@@ -63,11 +63,16 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
         1,
         {}};
     if constexpr (kPaged) {  // the pools: k and v's batch stride is their page stride
-        if (params.page_size % Traits::kBlockN != 0) { return cudaErrorInvalidValue; }  // a key block in one page
-        args.pages.k = tma_kv(params.k, params.page_size, params.k_row_stride, params.k_head_stride,
-                              params.k_batch_stride, params.num_pages);
-        args.pages.v = tma_kv(params.v, params.page_size, params.v_row_stride, params.v_head_stride,
-                              params.v_batch_stride, params.num_pages);
+        if (params.page_size % kPageMultiple != 0) { return cudaErrorInvalidValue; }  // a box in one page
+        auto tma_pages = [&](void const* ptr, int64_t row_stride, int64_t head_stride, int64_t page_stride) {
+            return make_tma_copy(SM90_TMA_LOAD{},
+                                 gmem(ptr, params.page_size, params.hk, row_stride, head_stride, page_stride,
+                                      params.num_pages),
+                                 typename Traits::SmemLayoutPageBox{},
+                                 Shape<Int<kPageMultiple>, Int<Traits::kHeadDim>>{}, _1{});
+        };
+        args.pages.k = tma_pages(params.k, params.k_row_stride, params.k_head_stride, params.k_batch_stride);
+        args.pages.v = tma_pages(params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride);
     }
 
     constexpr int kSmem = Traits::kSmemBytes;
@@ -98,8 +103,7 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
 // beside the softmax and a third warpgroup's GEMMs fill the gaps. d 128: two, key blocks of 128 (176, as
 // FlashAttention-3 uses for unmasked tiles, measured 3-8% slower here at 2k, equal at 8k, and spills). d 256: two,
 // the widest key block whose two K and V stages fit beside Q (224 KB).
-// A paged cache's key blocks lie whole in a page (kPageMultiple): pages that are not a multiple of the tile's block
-// take blocks of 64 keys, in twice the stages (the same bytes in flight).
+// A paged cache's key blocks arrive as boxes of kPageMultiple rows, each from its page.
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     constexpr FwdTile kTile = kHeadDim == 256   ? FwdTile{.block_m = 128, .block_n = 80, .kv_stages = 2}
@@ -108,12 +112,14 @@ cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cu
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "no SM90 forward tile for this head dim");
     using Traits = FwdTraits<kHeadDim, kTile, Element>;
     if (params.block_table == nullptr) { return launch_fwd<Traits>(params, hints, stream); }
-    if (params.page_size % kTile.block_n == 0) { return launch_fwd<Traits, true>(params, hints, stream); }
-    // d 256's two stages of 64 keys are all that fit beside Q (its 80-key blocks would take five 16-row boxes per 64
-    // columns, each a page lookup: 1.27x the contiguous time at 2 x 2048, H200).
-    constexpr FwdTile kPagedTile{.block_m = kTile.block_m, .block_n = kPageMultiple,
-                                 .kv_stages = kHeadDim == 256 ? 2 : 2 * kTile.kv_stages};
-    return launch_fwd<FwdTraits<kHeadDim, kPagedTile, Element>, true>(params, hints, stream);
+    if constexpr (kTile.block_n % kPageMultiple == 0) {
+        return launch_fwd<Traits, true>(params, hints, stream);
+    } else {
+        // d 256's 80-key blocks would straddle pages: blocks of 64 (two stages are all that fit beside Q).
+        return launch_fwd<FwdTraits<kHeadDim, FwdTile{.block_m = kTile.block_m, .block_n = kPageMultiple,
+                                                      .kv_stages = kTile.kv_stages}, Element>, true>(
+            params, hints, stream);
+    }
 }
 
 template <int kHeadDim>

@@ -25,11 +25,11 @@ namespace flash::sm90 {
 
 using namespace cute;
 
-// The page pools of a paged cache as (page rows, head dim, kv heads, pages): a key block whole in one page loads as
-// from a contiguous cache, its page the batch entry (kPaged kernels only).
+// The page pools of a paged cache as (page rows, head dim, kv heads, pages), read in boxes of kPageMultiple rows, the
+// page the batch entry (kPaged kernels only).
 template <class Traits, bool kPaged>
 struct PageTmas {
-    typename Traits::TmaKV k, v;
+    typename Traits::TmaPage k, v;
 };
 template <class Traits>
 struct PageTmas<Traits, false> {};
@@ -103,15 +103,23 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
         if constexpr (kPaged) {
             auto const& tma_page = which == 0 ? args.pages.k : args.pages.v;
             Tensor m = tma_page.get_tma_tensor(make_shape(params.page_size, params.d, params.hk, params.num_pages));
+            Tensor sX = make_tensor(make_smem_ptr(which == 0 ? shared.k.data() : shared.v.data()),
+                                    typename Traits::SmemLayoutKV{})(_, _, stage);
             int const* table = params.block_table + int64_t(seq.batch) * params.block_table_stride;
             int const last_slot = params.sk / params.page_size - 1;  // sk: the table's rows
-            // A block past the table's rows lies past its (clamped) page's rows: TMA fills it with zeros.
-            int const key = n_block * kBlockN;
-            int const slot = min(params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size, last_slot);
-            int const page = min(max(table[slot], 0), params.num_pages - 1);
-            Tensor g = local_tile(m(_, _, head_kv, page), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                  make_coord((key - slot * params.page_size) / kBlockN, _0{}));
-            copy(tma_page.with(full, 0, kKeep), tma_page.get_slice(_0{}).partition_S(g), tXsX(_, _, _, stage));
+            CUTE_UNROLL
+            for (int box = 0; box < kBlockN / kPageMultiple; ++box) {
+                // A box past the table's rows lies past its (clamped) page's rows: TMA fills it with zeros.
+                int const key = n_block * kBlockN + box * kPageMultiple;
+                int const slot =
+                    min(params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size, last_slot);
+                int const page = min(max(table[slot], 0), params.num_pages - 1);
+                Tensor g = local_tile(m(_, _, head_kv, page), Shape<Int<kPageMultiple>, Int<kHeadDim>>{},
+                                      make_coord((key - slot * params.page_size) / kPageMultiple, _0{}));
+                Tensor sbox = local_tile(sX, Shape<Int<kPageMultiple>, Int<kHeadDim>>{}, make_coord(box, _0{}));
+                auto thr = tma_page.get_slice(_0{});
+                copy(tma_page.with(full, 0, kKeep), thr.partition_S(g), thr.partition_D(sbox));
+            }
         } else {
             copy(tma.with(full, 0, kKeep), tXgX(_, _, _, n_block), tXsX(_, _, _, stage));
         }

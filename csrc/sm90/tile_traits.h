@@ -32,8 +32,7 @@ struct FwdTile {
 };
 
 // The page sizes that the paged forward reads are multiples of this (the catalog's Kind.page_multiple): a paged
-// tile's key block (64 rows, or 128 where the pages are multiples of 128) then lies in one page, and arrives as the
-// contiguous cache's does.
+// key block arrives as TMA boxes of this many rows, each whole in one page.
 constexpr int kPageMultiple = 64;
 
 template <int kHeadDim_, FwdTile kTile, typename Element_>
@@ -89,6 +88,12 @@ struct FwdTraits {
                                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
     using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
                                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+    // A paged cache's key block as kBlockN / kPageMultiple boxes of kPageMultiple rows, each from the page its rows
+    // lie in: the box's smem is the stage's rows it fills (with d > 64, not contiguous: one TMA per 64 columns).
+    using SmemLayoutPageBox = decltype(composition(take<0, 2>(SmemLayoutKV{}),
+                                                   make_tile(Layout<Int<kPageMultiple>>{}, Layout<Int<kHeadDim>>{})));
+    using TmaPage = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutPageBox{},
+                                           Shape<Int<kPageMultiple>, Int<kHeadDim>>{}, _1{}));
     static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
 
