@@ -6,7 +6,7 @@ then runs over each sequence's used rows (cache_seqlens plus the new tokens, fro
 tensor's values on the host, so a decode step can be captured in a CUDA graph and traced by torch.compile.
 
 Without ALiBi (and cache_batch_idx on a paged cache), and unless prefill-shaped (more than 64 query rows) on a GPU
-with a faster tier of its own (Hopper) with cache_leftpad or pages not a multiple of 128 rows, the call is native
+with a faster tier of its own (Hopper) with cache_leftpad or pages not a multiple of 64 rows, the call is native
 (_ops.split_attention): CTAs read the cache in place (a paged one through its block table; from cache_leftpad on),
 each sequence's keys cut into num_splits chunks (0: enough to fill the GPU; each chunk masked as the whole call is)
 whose fp32 partials the combine kernel merges. Decode-shaped calls run the SM80 tier's decode kernels, the query
@@ -245,7 +245,7 @@ def flash_attn_with_kvcache(
         causal = False  # one query row sees every used key under a bottom-right causal mask
     # Prefill-shaped calls (more than 64 query rows per head) on a GPU with a faster tier than the split kernels'
     # (Hopper) go to that tier's forward: natively and unpacked where it writes the partials itself (a contiguous
-    # cache or pages of a multiple of 128 rows, without cache_leftpad: _ops.split_forward_tier; its query tiles fill
+    # cache or pages of a multiple of 64 rows, without cache_leftpad: _ops.split_forward_tier; its query tiles fill
     # without packing, which would copy q and out), else composed, its speed outweighing the gather of a paged cache.
     can_split = alibi_slopes is None and (block_table is None or cache_batch_idx is None) \
         and d % 8 == 0 and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier)

@@ -64,15 +64,21 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
         {}};
     if constexpr (kPaged) {  // the pools: k and v's batch stride is their page stride
         if (params.page_size % kPageMultiple != 0) { return cudaErrorInvalidValue; }  // a box in one page
-        auto tma_pages = [&](void const* ptr, int64_t row_stride, int64_t head_stride, int64_t page_stride) {
-            return make_tma_copy(SM90_TMA_LOAD{},
-                                 gmem(ptr, params.page_size, params.hk, row_stride, head_stride, page_stride,
-                                      params.num_pages),
-                                 typename Traits::SmemLayoutPageBox{},
-                                 Shape<Int<kPageMultiple>, Int<Traits::kHeadDim>>{}, _1{});
-        };
-        args.pages.k = tma_pages(params.k, params.k_row_stride, params.k_head_stride, params.k_batch_stride);
-        args.pages.v = tma_pages(params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride);
+        args.pages.k = tma_kv(params.k, params.page_size, params.k_row_stride, params.k_head_stride,
+                              params.k_batch_stride, params.num_pages);
+        args.pages.v = tma_kv(params.v, params.page_size, params.v_row_stride, params.v_head_stride,
+                              params.v_batch_stride, params.num_pages);
+        if (params.page_size % Traits::kBlockN != 0) {  // boxes of kPageMultiple rows
+            auto tma_boxes = [&](void const* ptr, int64_t row_stride, int64_t head_stride, int64_t page_stride) {
+                return make_tma_copy(SM90_TMA_LOAD{},
+                                     gmem(ptr, params.page_size, params.hk, row_stride, head_stride, page_stride,
+                                          params.num_pages),
+                                     typename Traits::SmemLayoutPageBox{},
+                                     Shape<Int<kPageMultiple>, Int<Traits::kHeadDim>>{}, _1{});
+            };
+            args.pages.k_box = tma_boxes(params.k, params.k_row_stride, params.k_head_stride, params.k_batch_stride);
+            args.pages.v_box = tma_boxes(params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride);
+        }
     }
 
     constexpr int kSmem = Traits::kSmemBytes;

@@ -25,11 +25,12 @@ namespace flash::sm90 {
 
 using namespace cute;
 
-// The page pools of a paged cache as (page rows, head dim, kv heads, pages), read in boxes of kPageMultiple rows, the
-// page the batch entry (kPaged kernels only).
+// The page pools of a paged cache as (page rows, head dim, kv heads, pages), the page the batch entry (kPaged kernels
+// only): read a key block at a time where it lies in one page, else in boxes of kPageMultiple rows.
 template <class Traits, bool kPaged>
 struct PageTmas {
-    typename Traits::TmaPage k, v;
+    typename Traits::TmaKV k, v;
+    typename Traits::TmaPage k_box, v_box;
 };
 template <class Traits>
 struct PageTmas<Traits, false> {};
@@ -101,24 +102,46 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
     auto load_block = [&](auto const& tma, auto const& tXgX, auto const& tXsX, int which, uint64_t& full,
                           int n_block, int stage) {
         if constexpr (kPaged) {
-            auto const& tma_page = which == 0 ? args.pages.k : args.pages.v;
-            Tensor m = tma_page.get_tma_tensor(make_shape(params.page_size, params.d, params.hk, params.num_pages));
-            Tensor sX = make_tensor(make_smem_ptr(which == 0 ? shared.k.data() : shared.v.data()),
-                                    typename Traits::SmemLayoutKV{})(_, _, stage);
             int const* table = params.block_table + int64_t(seq.batch) * params.block_table_stride;
             int const last_slot = params.sk / params.page_size - 1;  // sk: the table's rows
-            CUTE_UNROLL
-            for (int box = 0; box < kBlockN / kPageMultiple; ++box) {
-                // A box past the table's rows lies past its (clamped) page's rows: TMA fills it with zeros.
-                int const key = n_block * kBlockN + box * kPageMultiple;
-                int const slot =
-                    min(params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size, last_slot);
-                int const page = min(max(table[slot], 0), params.num_pages - 1);
-                Tensor g = local_tile(m(_, _, head_kv, page), Shape<Int<kPageMultiple>, Int<kHeadDim>>{},
-                                      make_coord((key - slot * params.page_size) / kPageMultiple, _0{}));
-                Tensor sbox = local_tile(sX, Shape<Int<kPageMultiple>, Int<kHeadDim>>{}, make_coord(box, _0{}));
-                auto thr = tma_page.get_slice(_0{});
-                copy(tma_page.with(full, 0, kKeep), thr.partition_S(g), thr.partition_D(sbox));
+            // The table slot of a key's page; a key past the table's rows gets the last slot, and a box from it lies
+            // past its page's rows: TMA fills it with zeros.
+            auto slot_of = [&](int key) {
+                return min(params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size, last_slot);
+            };
+            auto pool = [&](int page) { return min(max(page, 0), params.num_pages - 1); };
+            auto const shape = make_shape(params.page_size, params.d, params.hk, params.num_pages);
+            int const key = n_block * kBlockN;
+            if (kBlockN == kPageMultiple || params.page_size % kBlockN == 0) {  // the block lies in one page
+                auto const& tma_page = which == 0 ? args.pages.k : args.pages.v;
+                int const slot = slot_of(key);
+                Tensor g = local_tile(tma_page.get_tma_tensor(shape)(_, _, head_kv, pool(table[slot])),
+                                      Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                      make_coord((key - slot * params.page_size) / kBlockN, _0{}));
+                copy(tma_page.with(full, 0, kKeep), tma_page.get_slice(_0{}).partition_S(g), tXsX(_, _, _, stage));
+            } else {
+                constexpr int kBoxes = kBlockN / kPageMultiple;
+                auto const& tma_box = which == 0 ? args.pages.k_box : args.pages.v_box;
+                Tensor sX = make_tensor(make_smem_ptr(which == 0 ? shared.k.data() : shared.v.data()),
+                                        typename Traits::SmemLayoutKV{})(_, _, stage);
+                // Every box's page is read before the first copy, so that the table loads overlap.
+                int slot[kBoxes], page[kBoxes];
+                CUTE_UNROLL
+                for (int box = 0; box < kBoxes; ++box) {
+                    slot[box] = slot_of(key + box * kPageMultiple);
+                    page[box] = table[slot[box]];
+                }
+                CUTE_UNROLL
+                for (int box = 0; box < kBoxes; ++box) {
+                    Tensor g = local_tile(tma_box.get_tma_tensor(shape)(_, _, head_kv, pool(page[box])),
+                                          Shape<Int<kPageMultiple>, Int<kHeadDim>>{},
+                                          make_coord((key + box * kPageMultiple - slot[box] * params.page_size) /
+                                                         kPageMultiple,
+                                                     _0{}));
+                    Tensor sbox = local_tile(sX, Shape<Int<kPageMultiple>, Int<kHeadDim>>{}, make_coord(box, _0{}));
+                    auto thr = tma_box.get_slice(_0{});
+                    copy(tma_box.with(full, 0, kKeep), thr.partition_S(g), thr.partition_D(sbox));
+                }
             }
         } else {
             copy(tma.with(full, 0, kKeep), tXgX(_, _, _, n_block), tXsX(_, _, _, stage));

@@ -32,7 +32,8 @@ struct FwdTile {
 };
 
 // The page sizes that the paged forward reads are multiples of this (the catalog's Kind.page_multiple): a paged
-// key block arrives as TMA boxes of this many rows, each whole in one page.
+// key block arrives whole from its page where the page size is a multiple of the block, else as boxes of this many
+// rows, each from its page.
 constexpr int kPageMultiple = 64;
 
 template <int kHeadDim_, FwdTile kTile, typename Element_>
