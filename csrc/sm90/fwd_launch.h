@@ -63,7 +63,6 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
         1,
         {}};
     if constexpr (kPaged) {  // the pools: k and v's batch stride is their page stride
-        if (params.page_size % kPageMultiple != 0) { return cudaErrorInvalidValue; }  // a box in one page
         args.pages.k = tma_kv(params.k, params.page_size, params.k_row_stride, params.k_head_stride,
                               params.k_batch_stride, params.num_pages);
         args.pages.v = tma_kv(params.v, params.page_size, params.v_row_stride, params.v_head_stride,
@@ -109,7 +108,8 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
 // beside the softmax and a third warpgroup's GEMMs fill the gaps. d 128: two, key blocks of 128 (176, as
 // FlashAttention-3 uses for unmasked tiles, measured 3-8% slower here at 2k, equal at 8k, and spills). d 256: two,
 // the widest key block whose two K and V stages fit beside Q (224 KB).
-// A paged cache's key blocks arrive as boxes of kPageMultiple rows, each from its page.
+// A paged cache's key block arrives whole from its page, or where the page size is no multiple of the block, as
+// boxes of kPageMultiple rows (mainloop.h).
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     constexpr FwdTile kTile = kHeadDim == 256   ? FwdTile{.block_m = 128, .block_n = 80, .kv_stages = 2}
