@@ -393,12 +393,13 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
     from flash_attention import _ops, interface
     require_kernel(d, bf16)
     require_kernel(d, bf16, "combine")
-    b, h, hk, sk = 4, 8, 2, 1023
+    # 1087 keys: 17 pages of 64, so the last 128-key block's second 64-row box lies past the table's rows.
+    b, h, hk, sk = 4, 8, 2, 1087
     q = torch.randn(b, sq, h, d, dtype=bf16, device="cuda")
     k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
     if not _ops.split_kernels_available(q, None):
         pytest.skip("no SM80-tier forward and combine kernels for this head dim")
-    used = torch.tensor([0, 1, 517, 1023], dtype=torch.int32, device="cuda")
+    used = torch.tensor([0, 1, 517, sk], dtype=torch.int32, device="cuda")
     args = (d ** -0.5, -1, 0 if causal else -1, 0.0, splits)
     if page_size is not None:
         k_pool, v_pool, table = pages_of(k, v, page_size)
