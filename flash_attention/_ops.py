@@ -214,11 +214,6 @@ def decode_route(q: torch.Tensor, tier: Optional[str]) -> Optional[DecodeRoute]:
     return route
 
 
-def split_kernels_available(q: torch.Tensor, tier: Optional[str]) -> bool:
-    """Whether fwd_split can serve q (decode_route)."""
-    return decode_route(q, tier) is not None
-
-
 def split_tier_is_default(q: torch.Tensor, tier: Optional[str]) -> bool:
     """Whether q's forward runs on SPLIT_TIER anyway (no faster tier for this GPU, head dim and dtype)."""
     try:
@@ -339,16 +334,16 @@ def split_attention(q, k, v, *args) -> Tuple[torch.Tensor, torch.Tensor]:
     return split_forward_impl(q, k, v, *args) if _eager(q, k, v) else fwd_split(q, k, v, *args)
 
 
-def decode_attention(route: DecodeRoute, q, k, v, softmax_scale, window_left, window_right, softcap, num_splits,
-                     packed_heads, tier) -> Tuple[torch.Tensor, torch.Tensor]:
-    """split_attention of a decode-shaped call (at most 64 query rows a head, or GQA-packed; no seqused, page table or
-    left padding), whose forward runs on SPLIT_TIER: eagerly on the kernels of route (decode_route(q, tier))."""
+def decode_attention(route: DecodeRoute, q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left,
+                     window_right, softcap, num_splits, packed_heads, tier) -> Tuple[torch.Tensor, torch.Tensor]:
+    """split_attention(q, k, v, ...) of a call whose forward runs on SPLIT_TIER (split_forward_tier), eagerly on the
+    kernels of route (decode_route(q, tier)), found with one lookup."""
     if _eager(q, k, v):
-        return _dispatch.load_extension().fwd_split(q, k, v, None, None, None, softmax_scale, window_left,
-                                                    window_right, softcap, num_splits, packed_heads, route.head_dim,
-                                                    route.fwd_tier, route.combine_tier)
-    return fwd_split(q, k, v, None, None, None, softmax_scale, window_left, window_right, softcap, num_splits,
-                     packed_heads, tier)
+        return _dispatch.load_extension().fwd_split(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale,
+                                                    window_left, window_right, softcap, num_splits, packed_heads,
+                                                    route.head_dim, route.fwd_tier, route.combine_tier)
+    return fwd_split(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right, softcap,
+                     num_splits, packed_heads, tier)
 
 
 @fwd_split.register_fake

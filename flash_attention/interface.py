@@ -131,7 +131,8 @@ def _decode_forward(q, k, v, softmax_scale, window, softcap, tier, route):
     packed = pack_gqa(q, hk) if group > 1 else q
     splits = _ops.split_count(0, b, hk, sq * group, k.shape[1], d, route.sm_count)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = _ops.decode_attention(route, packed, k, v, scale, *window, softcap, splits, group, tier)
+    out, lse = _ops.decode_attention(route, packed, k, v, None, None, None, scale, *window, softcap, splits, group,
+                                     tier)
     return unpack_gqa(out, lse, sq) if group > 1 else (out, lse)
 
 

@@ -7,8 +7,9 @@ tensor's values on the host, so a decode step can be captured in a CUDA graph an
 
 Without ALiBi (and cache_batch_idx on a paged cache), and unless prefill-shaped (more than 64 query rows) on a GPU
 with a faster tier of its own (Hopper) with cache_leftpad or pages not a multiple of 64 rows, the call is native
-(_ops.split_attention): CTAs read the cache in place (a paged one through its block table; from cache_leftpad on),
-each sequence's keys cut into num_splits chunks (0: enough to fill the GPU; each chunk masked as the whole call is)
+(_ops.decode_attention; _ops.split_attention on the faster tier): CTAs read the cache in place (a paged one through
+its block table; from cache_leftpad on), each sequence's keys cut into num_splits chunks (0: enough to fill the GPU;
+each chunk masked as the whole call is)
 whose fp32 partials the combine kernel merges. Decode-shaped calls run the SM80 tier's decode kernels, the query
 heads of a kv head packed as rows of one sequence (GQA packing, each packed row masked as its query row), so each
 K/V block is read once per kv head; prefill-shaped ones on Hopper run the SM90 forward, unpacked (a paged cache by
@@ -19,6 +20,7 @@ the chunks attended to as sequences of their own in one varlen call, whose outpu
 lse (rounded to the input dtype before the merge). Not yet native: ALiBi.
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -247,8 +249,9 @@ def flash_attn_with_kvcache(
     # (Hopper) go to that tier's forward: natively and unpacked where it writes the partials itself (a contiguous
     # cache or pages of a multiple of 64 rows, without cache_leftpad: _ops.split_forward_tier; its query tiles fill
     # without packing, which would copy q and out), else composed, its speed outweighing the gather of a paged cache.
-    can_split = alibi_slopes is None and (block_table is None or cache_batch_idx is None) \
-        and d % 8 == 0 and not torch.compiler.is_compiling() and _ops.split_kernels_available(q, tier)
+    route = _ops.decode_route(q, tier) if alibi_slopes is None and (block_table is None or cache_batch_idx is None) \
+        and d % 8 == 0 and not torch.compiler.is_compiling() else None
+    can_split = route is not None
     faster_tier = can_split and sq > 64 \
         and _ops.split_forward_tier(q, k_cache, block_table, cache_leftpad, 1, tier) != _ops.SPLIT_TIER
     native = can_split and (sq <= 64 or faster_tier or _ops.split_tier_is_default(q, tier))
@@ -269,10 +272,12 @@ def flash_attn_with_kvcache(
         else:
             keys, values, table = (_cache_rows(k_cache, None, cache_batch_idx, b),
                                    _cache_rows(v_cache, None, cache_batch_idx, b), None)
-        splits = _ops.split_count(num_splits, b, heads, rows, cache_len, d, _ops.sm_count(q.device))
+        splits = _ops.split_count(num_splits, b, heads, rows, cache_len, d, route.sm_count)
         leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
-        out, lse = _ops.split_attention(q, keys, values, used, table, leftpad, scale, *window, cap, splits,
-                                        group if pack else 1, tier)
+        # Other than on the faster tier, the forward is SPLIT_TIER's, whose kernels the route holds.
+        attend = _ops.split_attention if faster_tier else functools.partial(_ops.decode_attention, route)
+        out, lse = attend(q, keys, values, used, table, leftpad, scale, *window, cap, splits, group if pack else 1,
+                          tier)
         if pack:
             out, lse = interface.unpack_gqa(out, lse, sq)
         return (out, lse) if return_softmax_lse else out

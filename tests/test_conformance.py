@@ -261,7 +261,8 @@ def test_decode_shaped_calls_take_the_split_kernels(stub_kernel, monkeypatch, sq
     from flash_attention import _ops
     split_calls = []
 
-    def fake_split(route, q, k, v, scale, left, right, cap, splits, packed_heads, tier):
+    def fake_split(route, q, k, v, seqused_k, block_table, leftpad_k, scale, left, right, cap, splits, packed_heads,
+                   tier):
         split_calls.append(dict(shape=q.shape, window=(left, right), packed_heads=packed_heads, splits=splits))
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 

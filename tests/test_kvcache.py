@@ -397,7 +397,7 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
     b, h, hk, sk = 4, 8, 2, 1087
     q = torch.randn(b, sq, h, d, dtype=bf16, device="cuda")
     k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
-    if not _ops.split_kernels_available(q, None):
+    if _ops.decode_route(q, None) is None:
         pytest.skip("no SM80-tier forward and combine kernels for this head dim")
     used = torch.tensor([0, 1, 517, sk], dtype=torch.int32, device="cuda")
     args = (d ** -0.5, -1, 0 if causal else -1, 0.0, splits)
@@ -456,7 +456,7 @@ def test_split_opcheck_cuda(sq, packed):
     b, hk, d, sk = 2, 2, 64, 300
     q = torch.randn(b, sq * packed, hk, d, dtype=bf16, device="cuda")
     k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
-    if not _ops.split_kernels_available(q, None):
+    if _ops.decode_route(q, None) is None:
         pytest.skip("no split kernels for this head dim")
     used = torch.tensor([7, sk], dtype=torch.int32, device="cuda")
     torch.library.opcheck(torch.ops.flash_attention.fwd_split.default,
@@ -589,7 +589,8 @@ def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, fw
         split_calls.append(q.shape)
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
-    monkeypatch.setattr(_ops, "split_kernels_available", lambda q, tier: True)
+    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132))
+    monkeypatch.setattr(_ops, "decode_attention", lambda route, *args: fake_split(*args))
     monkeypatch.setattr(_ops, "split_tier_is_default", lambda q, tier: split_tier_default)
     monkeypatch.setattr(_ops, "split_forward_tier", lambda q, k, table, leftpad, packed, tier: fwd_tier)
     monkeypatch.setattr(_ops, "split_attention", fake_split)

@@ -109,39 +109,34 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
             auto slot_of = [&](int key) {
                 return min(params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size, last_slot);
             };
-            auto pool = [&](int page) { return min(max(page, 0), params.num_pages - 1); };
             auto const shape = make_shape(params.page_size, params.d, params.hk, params.num_pages);
-            int const key = n_block * kBlockN;
-            if (kBlockN == kPageMultiple || params.page_size % kBlockN == 0) {  // the block lies in one page
-                auto const& tma_page = which == 0 ? args.pages.k : args.pages.v;
-                int const slot = slot_of(key);
-                Tensor g = local_tile(tma_page.get_tma_tensor(shape)(_, _, head_kv, pool(table[slot])),
-                                      Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                      make_coord((key - slot * params.page_size) / kBlockN, _0{}));
-                copy(tma_page.with(full, 0, kKeep), tma_page.get_slice(_0{}).partition_S(g), tXsX(_, _, _, stage));
-            } else {
-                constexpr int kBoxes = kBlockN / kPageMultiple;
-                auto const& tma_box = which == 0 ? args.pages.k_box : args.pages.v_box;
-                Tensor sX = make_tensor(make_smem_ptr(which == 0 ? shared.k.data() : shared.v.data()),
-                                        typename Traits::SmemLayoutKV{})(_, _, stage);
-                // Every box's page is read before the first copy, so that the table loads overlap.
+            Tensor sX = make_tensor(make_smem_ptr(which == 0 ? shared.k.data() : shared.v.data()),
+                                    typename Traits::SmemLayoutKV{})(_, _, stage);
+            // The block as kBlockN / kRows boxes of kRows rows, each from its page; every box's page is read before
+            // the first copy, so that the table loads overlap.
+            auto load_boxes = [&](auto const& tma_pages, auto rows) {
+                constexpr int kRows = decltype(rows)::value, kBoxes = kBlockN / kRows;
                 int slot[kBoxes], page[kBoxes];
                 CUTE_UNROLL
                 for (int box = 0; box < kBoxes; ++box) {
-                    slot[box] = slot_of(key + box * kPageMultiple);
+                    slot[box] = slot_of(n_block * kBlockN + box * kRows);
                     page[box] = table[slot[box]];
                 }
+                auto thr = tma_pages.get_slice(_0{});
                 CUTE_UNROLL
                 for (int box = 0; box < kBoxes; ++box) {
-                    Tensor g = local_tile(tma_box.get_tma_tensor(shape)(_, _, head_kv, pool(page[box])),
-                                          Shape<Int<kPageMultiple>, Int<kHeadDim>>{},
-                                          make_coord((key + box * kPageMultiple - slot[box] * params.page_size) /
-                                                         kPageMultiple,
-                                                     _0{}));
-                    Tensor sbox = local_tile(sX, Shape<Int<kPageMultiple>, Int<kHeadDim>>{}, make_coord(box, _0{}));
-                    auto thr = tma_box.get_slice(_0{});
-                    copy(tma_box.with(full, 0, kKeep), thr.partition_S(g), thr.partition_D(sbox));
+                    int const row = n_block * kBlockN + box * kRows - slot[box] * params.page_size;
+                    Tensor g = local_tile(
+                        tma_pages.get_tma_tensor(shape)(_, _, head_kv, min(max(page[box], 0), params.num_pages - 1)),
+                        Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(row / kRows, _0{}));
+                    Tensor sbox = local_tile(sX, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(box, _0{}));
+                    copy(tma_pages.with(full, 0, kKeep), thr.partition_S(g), thr.partition_D(sbox));
                 }
+            };
+            if (kBlockN == kPageMultiple || params.page_size % kBlockN == 0) {  // the block lies in one page
+                load_boxes(which == 0 ? args.pages.k : args.pages.v, Int<kBlockN>{});
+            } else {
+                load_boxes(which == 0 ? args.pages.k_box : args.pages.v_box, Int<kPageMultiple>{});
             }
         } else {
             copy(tma.with(full, 0, kKeep), tXgX(_, _, _, n_block), tXsX(_, _, _, stage));
