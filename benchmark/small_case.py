@@ -17,7 +17,8 @@ rows, so memcheck must stay clean (the numbers are unspecified).
 
 --decode runs flash_attn_with_kvcache's calls instead (the SM80-tier decode kernels and the combine; on Hopper the
 SM90 forward's split partials for 130 rows of a contiguous cache or pages of 64 and 128): one and three query rows
-GQA-packed, and 130 rows, under a causal mask or a window, split and not, a contiguous cache and caches paged in pages
+GQA-packed, and 130 rows, under a causal mask or a window, unsplit, in 3 chunks (on Hopper merged inside a cluster) and
+in 17 (merged by the combine kernel), a contiguous cache and caches paged in pages
 of 16, 3, 64 and 128 (shuffled), an empty, a partial and a full sequence, new keys appended."""
 
 import argparse
@@ -91,7 +92,7 @@ def decode_case(d):
     seqlens = int32([0, 77, cache_len - 2])
     for sq in (1, 3, 130):  # 130 rows: prefill-shaped (on Hopper the SM90 forward's split partials)
         q = torch.randn(b, sq, h, d, dtype=BF16, device="cuda")
-        for num_splits in (1, 3):
+        for num_splits in (1, 3, 17):
             for window in ((-1, -1), (20, 0)):
                 flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, window_size=window,
                                         num_splits=num_splits)

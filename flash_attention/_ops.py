@@ -288,11 +288,12 @@ def fwd_split(
     """Split-KV forward for decoding, not differentiable: q (b, sq, h, d), k/v (b, sk, hk, d) validated, head dim a
     multiple of 8, of which sequence i uses the first seqused_k[i] keys; each query tile's keys are cut into
     num_splits chunks attended to by CTAs of their own (fp32 partials; split_forward_tier says whose), merged by the
-    combine kernel. tier: the caller's tier override (None: the default). With block_table (int32 (b, max_blocks)),
-    k/v are page pools (num_pages, page_size, hk, d) read in place: key j of sequence i is row j % page_size of page
-    block_table[i, j // page_size]. packed_heads > 1: q is GQA-packed (interface.pack_gqa), row r masked as query
-    r // packed_heads. leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). Returns
-    (out, lse (b, h, sq))."""
+    combine kernel (on Hopper, the SM80 tier's decode kernels merge up to 16 chunks inside a cluster). tier: the
+    caller's tier override (None: the default). With block_table (int32 (b, max_blocks)), k/v are page pools
+    (num_pages, page_size, hk, d) read in place: key j of sequence i is row j % page_size of page
+    block_table[i, j // page_size]. packed_heads > 1: q is GQA-packed (interface.pack_gqa), row r masked as query r // packed_heads.
+    leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). Returns (out, lse (b, h,
+    sq))."""
     return split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right,
                               softcap, num_splits, packed_heads, tier)
 

@@ -375,7 +375,7 @@ def pages_of(k, v, page_size):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("splits", [1, 2, 5, 64])
+@pytest.mark.parametrize("splits", [1, 2, 5, 16, 64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("page_size", [None, 1, 3, 16, 64, 128, 192, 256])
 @pytest.mark.parametrize("sq", [3, 9, 130])
@@ -383,7 +383,7 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
     """The native split-KV forward (fp32 partials, merged by the combine kernel; on Hopper the SM90 forward writes
     them for the prefill-shaped (130 rows), unpacked calls of a contiguous cache or pages of a multiple of 64 rows, else
     the SM80 tier's decode kernels: 16-row tiles whose warps split the keys (3 rows, 9, 3 packed), 64-row tiles (9
-    packed: 36 rows; 130 packed)) per
+    packed: 36 rows; 130 packed), which on Hopper merge up to 16 chunks inside a cluster instead) per
     sequence against the fp32 reference over its used keys: GQA, an empty sequence (out 0, lse -inf), one key,
     partial key blocks, more splits than key blocks, and a causal mask over several query rows (each chunk is masked
     as the whole call is; rows before the first key see none), with the query heads GQA-packed (each packed row

@@ -193,16 +193,29 @@ flash::LaunchHints launch_hints(flash::AttnParams const& p, at::Tensor const& q,
             seqs.varlen() ? hint(seqs.max_seqlen_k, p.sk) : p.sk};
 }
 
-// Runs the kernel registered under (tier, kind, kernel head dim, q's dtype for in and out) on params, with the
-// workspace its descriptor asks for.
+// The kernel registered under (tier, kind, kernel head dim, q's dtype for in and out), or nullptr.
+template <class Params>
+flash::KernelDescriptor<Params> const* find_kernel(char const* kind, int64_t tier, int64_t kernel_head_dim,
+                                                   at::Tensor const& q) {
+    flash::DType const dt = dtype_of(q);
+    return flash::KernelRegistry<Params>::find(flash::KernelKey{int(tier), kind, int(kernel_head_dim), dt, dt});
+}
+
+// Whether that kernel is built and can run params.
+template <class Params>
+bool can_run(char const* kind, int64_t tier, int64_t kernel_head_dim, at::Tensor const& q, Params const& params,
+             flash::LaunchHints const& hints) {
+    auto const* kernel = find_kernel<Params>(kind, tier, kernel_head_dim, q);
+    return kernel != nullptr && kernel->unsupported(params, hints) == nullptr;
+}
+
+// Runs that kernel on params, with the workspace its descriptor asks for.
 template <class Params>
 void run(char const* kind, int64_t tier, int64_t kernel_head_dim, at::Tensor const& q, Params const& params,
          flash::LaunchHints const& hints) {
-    flash::DType const dt = dtype_of(q);
-    flash::KernelKey const key{int(tier), kind, int(kernel_head_dim), dt, dt};
-    auto const* kernel = flash::KernelRegistry<Params>::find(key);
+    auto const* kernel = find_kernel<Params>(kind, tier, kernel_head_dim, q);
     TORCH_CHECK(kernel != nullptr, "flash_attention: no sm", tier, " ", kind, " kernel for head dim ", kernel_head_dim,
-                " and ", dtype_name(dt), " in this build (see FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS)");
+                " and ", dtype_name(dtype_of(q)), " in this build (see FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS)");
     char const* why = kernel->unsupported(params, hints);
     TORCH_CHECK(why == nullptr, "flash_attention: the sm", tier, " ", kind, " kernel for head dim ", kernel_head_dim,
                 " cannot run this call: ", why);
@@ -404,8 +417,9 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
 }
 
 // (out, lse (b, h, sq)) of a batched forward whose keys are split into num_splits chunks per query tile (split-KV,
-// for decoding: the chunks fill the GPU where b * h query tiles cannot): tier's forward writes fp32 partials,
-// combine_tier's combine kernel merges them. With block_table, k and v are page pools (num_pages, page_size, hk, d),
+// for decoding: the chunks fill the GPU where b * h query tiles cannot): tier's forward merges the chunks inside a
+// thread-block cluster where it can (SM80-tier decode kernels on sm_90, at most 16 chunks), else writes fp32 partials
+// that combine_tier's combine kernel merges. With block_table, k and v are page pools (num_pages, page_size, hk, d),
 // read in place. Each chunk is masked as the whole call is, so any mask splits exactly. packed_heads > 1: q is
 // GQA-packed (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query. leftpad_k (int32
 // (b,)): sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not taken
@@ -447,23 +461,25 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
                                .transpose(1, 2)
                          : at::empty(q.sizes(), q.options());
     at::Tensor lse = at::empty({p.b, p.h, p.sq}, fp32);
-    if (num_splits == 1) {  // one chunk: its output is the result, stored as the forward stores it
-        p.o = out.data_ptr();
-        p.lse = lse.data_ptr<float>();
-        Strides const os = strides_of(out, false);
-        p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
-        run("fwd", tier, kernel_head_dim, q, p, launch_hints(p, q, seqs));
+    flash::LaunchHints const hints = launch_hints(p, q, seqs);
+    // One chunk, or chunks merged inside a cluster where the kernel can: the forward stores the result itself.
+    p.num_splits = int(num_splits);
+    p.o = out.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    Strides const os = strides_of(out, false);
+    p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
+    if (num_splits == 1 || can_run("fwd", tier, kernel_head_dim, q, p, hints)) {
+        run("fwd", tier, kernel_head_dim, q, p, hints);
         return {out, lse};
     }
     at::Tensor const o_partial = at::empty({num_splits, p.b, p.sq, p.h, p.d}, fp32);
     at::Tensor const lse_partial = at::empty({num_splits, p.b, p.h, p.sq}, fp32);
-    p.num_splits = int(num_splits);
     p.o_partial = o_partial.data_ptr<float>();
     p.lse_partial = lse_partial.data_ptr<float>();
     p.o_partial_split_stride = o_partial.stride(0);
     p.lse_partial_split_stride = lse_partial.stride(0);
     p.o_batch_stride = o_partial.stride(1), p.o_row_stride = o_partial.stride(2), p.o_head_stride = o_partial.stride(3);
-    run("fwd", tier, kernel_head_dim, q, p, launch_hints(p, q, seqs));
+    run("fwd", tier, kernel_head_dim, q, p, hints);
     combine(o_partial, lse_partial.transpose(2, 3), out, lse, kernel_head_dim, combine_tier);
     return {out, lse};
 }

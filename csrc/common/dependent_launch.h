@@ -26,10 +26,11 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// Whether Kernel, as loaded for this device, was compiled for sm_90 or later, where wait_for_prior_grid waits: code
-// for an older arch (or JIT-compiled from its PTX) has no wait, so it must not start early. Asked once per device.
+// Whether Kernel, as loaded for this device, was compiled for sm_90 or later, where wait_for_prior_grid waits (and
+// cluster code is compiled in): code for an older arch (or JIT-compiled from its PTX) has no wait, so it must not
+// start early. Asked once per device.
 template <auto Kernel>
-bool waits_for_prior_grid(int device) {
+bool runs_sm90_code(int device) {
     static std::atomic<uint64_t> known{0}, waits{0};
     uint64_t const bit = device < 64 ? uint64_t(1) << device : 0;
     if (bit != 0 && (known.load(std::memory_order_acquire) & bit) != 0) {
@@ -58,14 +59,14 @@ cudaError_t launch_with(cudaLaunchAttribute* attrs, unsigned num_attrs, dim3 gri
 }
 
 // Kernel<<<grid, block, smem, stream>>>(args...), free to start before the prior kernel ends where the kernel waits
-// for it (waits_for_prior_grid).
+// for it (runs_sm90_code).
 template <auto Kernel, class... Args>
 cudaError_t launch_after_prior(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
                                Args const&... args) {
     cudaLaunchAttribute attr{};
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
-    return launch_with<Kernel>(&attr, waits_for_prior_grid<Kernel>(device) ? 1 : 0, grid, block, smem, stream, args...);
+    return launch_with<Kernel>(&attr, runs_sm90_code<Kernel>(device) ? 1 : 0, grid, block, smem, stream, args...);
 }
 
 }  // namespace flash

@@ -55,7 +55,9 @@ struct FwdParams : AttnParams {
     // Split-KV (SM80-tier kernels): with o_partial set, num_splits (>= 1) CTAs (blockIdx.y) share each query tile's
     // visible key blocks in contiguous chunks (split_chunk), and each writes, instead of o and lse, its output
     // normalised by its own sum in fp32 to o_partial and its lse (-inf for an empty chunk) to lse_partial: split s at
-    // s * the split stride, then o's element strides and lse's layout.
+    // s * the split stride, then o's element strides and lse's layout. Without o_partial (SM80-tier decode kernels,
+    // sm_90 code), a query tile's num_splits CTAs form a thread-block cluster that merges their outputs into o and lse
+    // through distributed shared memory: no partials, no combine kernel.
     int num_splits;
     float* __restrict__ o_partial;
     float* __restrict__ lse_partial;

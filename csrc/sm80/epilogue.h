@@ -3,7 +3,9 @@
 // backward's dK and dV, and the dQ conversion all store through store_tile.
 #pragma once
 
+#include <cute/arch/cluster_sm90.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/array.h>
 
 #include <cmath>
 
@@ -118,6 +120,121 @@ __device__ __forceinline__ bool merge_warp_outputs(AccO& acc_o, float (&lse)[kRo
         for (int i = 0; i < kValues; ++i) { acc_o(i) += s_o[((w - 1) * kValues + i) * 32 + lane]; }
     }
     return true;
+}
+
+// The most splits merged inside a cluster (FwdParams): H100s and H200s schedule clusters of up to 16 CTAs (8 without
+// cudaFuncAttributeNonPortableClusterSizeAllowed).
+constexpr int kMaxClusterSplits = 16;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// A 32-bit or 16-byte load from the shared memory of the cluster's CTA `rank`, at the offset that `addr` has in this
+// CTA's.
+__device__ __forceinline__ float load_cluster_f32(uint32_t addr, uint32_t rank) {
+    uint32_t const remote = cute::set_block_rank(addr, rank);
+    float x;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote) : "memory");
+    return x;
+}
+
+__device__ __forceinline__ float4 load_cluster_f32x4(uint32_t addr, uint32_t rank) {
+    uint32_t const remote = cute::set_block_rank(addr, rank);
+    float4 x;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+                 : "r"(remote)
+                 : "memory");
+    return x;
+}
+#endif
+
+// Split-KV inside a cluster (FwdParams: num_splits > 1 without o_partial; sm_90 code, launched by launch_fwd): the
+// num_splits CTAs of a query tile form one cluster. Each stages its chunk's output (normalised by its own sum, fp32)
+// and lse in its shared memory; after a cluster barrier, each CTA merges 1 / num_splits of the tile's (row, 4-column)
+// groups, reading every CTA's staged values through distributed shared memory, as the combine kernel merges partials
+// from global memory, and stores o and lse. A second barrier keeps each CTA's shared memory until all have read it.
+// holds_output: whether this thread holds part of acc_o (tid: its index in tiled_mma_o).
+template <class Traits, class TiledMma, class AccO, int kRows>
+__device__ __forceinline__ void merge_splits_in_cluster(TiledMma const& tiled_mma_o, AccO const& acc_o,
+                                                        float const (&lse)[kRows], bool holds_output, char* smem,
+                                                        FwdParams const& params, SeqlenInfo const& seq, int m_block,
+                                                        int head, int tid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kThreads = Traits::kNThreads;
+    // Floats per staged row: 8 more than the row skews the rows of a quad's 8-byte stores over all 32 banks.
+    constexpr int kStride = kHeadDim + 8;
+    static_assert((kBlockM + kBlockM * kStride) * sizeof(float) <= Traits::kSmemBytes);
+    float* s_lse = reinterpret_cast<float*>(smem);
+    float* s_o = s_lse + kBlockM;  // 16-byte aligned: kBlockM is a multiple of 16
+    int const row0 = m_block * kBlockM;
+    __syncthreads();  // the main loop (and the warps' merge) is done with this shared memory
+    if (holds_output) {
+        auto const coord_rc = rowcol_view(
+            tiled_mma_o.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+        auto const acc_rc = rowcol_view(acc_o);
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(acc_rc); ++r) {
+            int const row = get<0>(coord_rc(r, 0));
+            if (get<1>(coord_rc(r, 0)) == 0) { s_lse[row] = lse[r]; }
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(acc_rc); c += 2) {
+                *reinterpret_cast<float2*>(s_o + row * kStride + get<1>(coord_rc(r, c))) =
+                    make_float2(acc_rc(r, c), acc_rc(r, c + 1));
+            }
+        }
+    }
+    cute::cluster_arrive();  // release: the staged values
+    cute::cluster_wait();    // acquire: every CTA's
+
+    int const splits = params.num_splits;
+    int const groups = params.d / 4;  // d is a multiple of 8
+    int const rows = min(kBlockM, seq.q.len - row0);
+    uint32_t const lse_addr = uint32_t(__cvta_generic_to_shared(s_lse));
+    uint32_t const o_addr = uint32_t(__cvta_generic_to_shared(s_o));
+    Element* o = static_cast<Element*>(params.o) +
+                 seq.q_offset(params.o_batch_stride, params.o_row_stride, params.o_head_stride, head) +
+                 int64_t(row0) * params.o_row_stride;
+    float* lse_out = params.lse + seq.row_stats_index(params, head) + row0;
+    for (int u = int(cute::block_rank_in_cluster()) * kThreads + int(threadIdx.x); u < rows * groups;
+         u += splits * kThreads) {
+        int const row = u / groups, col = u % groups * 4;
+        // Every split's loads are issued before any is used, as in the combine kernel.
+        float l[kMaxClusterSplits];
+        float4 x[kMaxClusterSplits];
+        CUTE_UNROLL
+        for (int s = 0; s < kMaxClusterSplits; ++s) {
+            l[s] = -INFINITY;  // a missing split weighs 0
+            if (s < splits) {
+                l[s] = load_cluster_f32(lse_addr + row * sizeof(float), s);
+                x[s] = load_cluster_f32x4(o_addr + (row * kStride + col) * sizeof(float), s);
+            }
+        }
+        float top = -INFINITY;
+        CUTE_UNROLL
+        for (int s = 0; s < kMaxClusterSplits; ++s) { top = fmaxf(top, l[s]); }
+        float const base = top == -INFINITY ? 0.f : top;  // no split saw a key: weights 0, not NaN
+        float sum = 0.f;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        CUTE_UNROLL
+        for (int s = 0; s < kMaxClusterSplits; ++s) {
+            if (s < splits) {
+                float const w = __expf(l[s] - base);  // a NaN lse makes the row NaN
+                sum += w;
+                acc.x += w * x[s].x, acc.y += w * x[s].y, acc.z += w * x[s].z, acc.w += w * x[s].w;
+            }
+        }
+        float const inv = sum > 0.f ? 1.f / sum : 0.f;
+        cutlass::AlignedArray<Element, 4> out;
+        out[0] = Element(acc.x * inv), out[1] = Element(acc.y * inv);
+        out[2] = Element(acc.z * inv), out[3] = Element(acc.w * inv);
+        *reinterpret_cast<cutlass::AlignedArray<Element, 4>*>(o + int64_t(row) * params.o_row_stride + col) = out;
+        if (col == 0) { lse_out[row] = logf(sum) + base; }
+    }
+    cute::cluster_arrive_relaxed();  // this CTA is done reading the others' shared memory
+    cute::cluster_wait();
+#endif
 }
 
 }  // namespace flash::sm80

@@ -257,11 +257,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
     float lse[kRows];
     softmax.finalize(acc_o_rc, params.logit_scale, lse);
+    // Splits merged inside the cluster: every thread takes part, including those that hold no output.
+    bool const cluster_merge = kPackedRows && params.num_splits > 1 && params.o_partial == nullptr;
+    bool holds_output = true;
     if constexpr (Traits::kWarpsOverKeys) {
-        if (!merge_warp_outputs<kNWarps>(acc_o, lse, smem, tid)) { return; }  // warp 0 stores
+        holds_output = merge_warp_outputs<kNWarps>(acc_o, lse, smem, tid);  // warp 0 stores
+        if (!holds_output && !cluster_merge) { return; }
     }
     TileCoord const out_blk = decode(block_index_reread());
     int const store_tid = Traits::kWarpsOverKeys ? thread_index_reread() % 32 : thread_index_reread();
+    if constexpr (kPackedRows) {
+        if (cluster_merge) {
+            merge_splits_in_cluster<Traits>(tiled_mma_o, acc_o, lse, holds_output, smem, params,
+                                            SeqlenInfo(params, out_blk.batch), out_blk.block, out_blk.head,
+                                            store_tid);
+            return;
+        }
+    }
     if (params.o_partial != nullptr) {
         store_partial<Traits>(tiled_mma_o, acc_o, lse, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
                               out_blk.head, int(blockIdx.y), store_tid);

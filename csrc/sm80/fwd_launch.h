@@ -5,12 +5,14 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <type_traits>
 
 #include "../common/block_range.h"
 #include "../common/block_scheduler.h"
+#include "../common/dependent_launch.h"
 #include "../common/kernel_registry.h"
 #include "../common/params.h"
 #include "fwd_kernel.h"
@@ -21,16 +23,57 @@ namespace flash::sm80 {
 
 template <class Traits, bool kPaged = false, bool kPackedRows = false>
 cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
+    constexpr auto kKernel = &fwd_kernel<Traits, kPaged, kPackedRows>;
     constexpr int kSmem = Traits::kSmemBytes;
-    if (cudaError_t err = allow_smem<&fwd_kernel<Traits, kPaged, kPackedRows>>(kSmem, hints.device); err != cudaSuccess) {
-        return err;
-    }
+    if (cudaError_t err = allow_smem<kKernel>(kSmem, hints.device); err != cudaSuccess) { return err; }
     int64_t const num_blocks =
         tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) * params.h;
     if (num_blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
     unsigned const splits = params.num_splits > 1 ? unsigned(params.num_splits) : 1u;
-    fwd_kernel<Traits, kPaged, kPackedRows><<<dim3(unsigned(num_blocks), splits), Traits::kNThreads, kSmem, stream>>>(params);
+    dim3 const grid(unsigned(num_blocks), splits);
+    if constexpr (kPackedRows) {
+        if (splits > 1 && params.o_partial == nullptr) {  // a query tile's splits are one cluster
+            cudaLaunchAttribute attr{};
+            attr.id = cudaLaunchAttributeClusterDimension;
+            attr.val.clusterDim.x = 1;
+            attr.val.clusterDim.y = splits;
+            attr.val.clusterDim.z = 1;
+            return launch_with<kKernel>(&attr, 1, grid, dim3(Traits::kNThreads), kSmem, stream, params);
+        }
+    }
+    kKernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
     return cudaGetLastError();
+}
+
+// Whether the GPU can hold a cluster of `splits` CTAs of Kernel (sm_90 code, so that the cluster merge is compiled
+// in): asked once per device and cluster size.
+template <auto Kernel>
+bool cluster_fits(int device, int splits, int threads, int smem) {
+    static std::atomic<uint8_t> known[64][kMaxClusterSplits + 1];  // 0: not asked yet, 1: fits, 2: does not
+    if (device < 0 || device >= 64 || splits < 1 || splits > kMaxClusterSplits) { return false; }
+    uint8_t state = known[device][splits].load(std::memory_order_relaxed);
+    if (state == 0) {
+        cudaLaunchAttribute attr{};
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = 1;
+        attr.val.clusterDim.y = unsigned(splits);
+        attr.val.clusterDim.z = 1;
+        cudaLaunchConfig_t config{};
+        config.gridDim = dim3(1, unsigned(splits));
+        config.blockDim = dim3(unsigned(threads));
+        config.dynamicSmemBytes = size_t(smem);
+        config.attrs = &attr;
+        config.numAttrs = 1;
+        int clusters = 0;
+        bool const fits = runs_sm90_code<Kernel>(device) && allow_smem<Kernel>(smem, device) == cudaSuccess &&
+                          cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+                              cudaSuccess &&
+                          cudaOccupancyMaxActiveClusters(&clusters, Kernel, &config) == cudaSuccess && clusters > 0;
+        if (!fits) { cudaGetLastError(); }  // a refused query is an answer, not an error for the next launch
+        state = fits ? 1 : 2;
+        known[device][splits].store(state, std::memory_order_relaxed);
+    }
+    return state == 1;
 }
 
 // Keys that the query tile of block_m rows in the middle of the longest sequence visits: the mean over the tiles
@@ -71,20 +114,23 @@ using DecodeTraits =
                       .warps_over_keys = kRows == 16},
               Element>;
 
-template <int kHeadDim, typename Element, bool kPaged>
-cudaError_t launch_decode(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
-    if (hints.max_seqlen_q <= 16) {
-        return launch_fwd<DecodeTraits<kHeadDim, Element, 16>, kPaged, true>(params, hints, stream);
-    }
-    return launch_fwd<DecodeTraits<kHeadDim, Element, 64>, kPaged, true>(params, hints, stream);
+// f(traits, paged) with the decode kernel that a call takes: its tile by the query rows, paged or not.
+template <int kHeadDim, typename Element, class F>
+decltype(auto) with_decode_kernel(FwdParams const& params, LaunchHints const& hints, F&& f) {
+    auto by_rows = [&](auto paged) {
+        if (hints.max_seqlen_q <= 16) { return f(DecodeTraits<kHeadDim, Element, 16>{}, paged); }
+        return f(DecodeTraits<kHeadDim, Element, 64>{}, paged);
+    };
+    return params.block_table != nullptr ? by_rows(std::true_type{}) : by_rows(std::false_type{});
 }
 
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
-    if (params.block_table != nullptr) { return launch_decode<kHeadDim, Element, true>(params, hints, stream); }
-    if (params.o_partial != nullptr || params.packed_heads > 1 || params.leftpad_k != nullptr ||
-        hints.max_seqlen_q <= 64) {
-        return launch_decode<kHeadDim, Element, false>(params, hints, stream);
+    if (params.block_table != nullptr || params.num_splits > 1 || params.packed_heads > 1 ||
+        params.leftpad_k != nullptr || hints.max_seqlen_q <= 64) {
+        return with_decode_kernel<kHeadDim, Element>(params, hints, [&](auto traits, auto paged) {
+            return launch_fwd<decltype(traits), decltype(paged)::value, true>(params, hints, stream);
+        });
     }
     if constexpr (kHeadDim == 32) {
         return launch_fwd<FwdTraits<32, FwdTile{.block_m = 128, .block_n = 64, .warps = 4, .kv_stages = 3}, Element>>(
@@ -115,10 +161,23 @@ cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cu
     }
 }
 
+template <int kHeadDim, typename Element>
+char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
+    if (params.num_splits > 1 && params.o_partial == nullptr &&
+        !with_decode_kernel<kHeadDim, Element>(params, hints, [&](auto traits, auto paged) {
+            using Traits = decltype(traits);
+            return cluster_fits<&fwd_kernel<Traits, decltype(paged)::value, true>>(
+                hints.device, params.num_splits, Traits::kNThreads, Traits::kSmemBytes);
+        })) {
+        return "splits merged inside a cluster need sm_90 code and at most 16 splits that the GPU holds as a cluster";
+    }
+    return unsupported_head_dim<kHeadDim, FwdParams>(params, hints);
+}
+
 template <int kHeadDim, typename Element, typename ElementOut>
 KernelDescriptor<FwdParams> fwd_descriptor() {
     static_assert(std::is_same_v<Element, ElementOut>, "the SM80 forward writes out in the input dtype");
-    return {&unsupported_head_dim<kHeadDim, FwdParams>, &no_workspace<FwdParams>, &run_fwd<kHeadDim, Element>};
+    return {&unsupported_fwd<kHeadDim, Element>, &no_workspace<FwdParams>, &run_fwd<kHeadDim, Element>};
 }
 
 }  // namespace flash::sm80

@@ -133,6 +133,9 @@ char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
     if (params.packed_heads > 1 || params.leftpad_k != nullptr) {
         return "GQA-packed queries and left padding are taken by the SM80 tier's forward";
     }
+    if (params.num_splits > 1 && params.o_partial == nullptr) {
+        return "splits merged inside a cluster are taken by the SM80 tier's decode kernels";
+    }
     if (params.block_table != nullptr && params.page_size % kPageMultiple != 0) {
         return "pages of a size that is not a multiple of 64 are taken by the SM80 tier's forward";
     }
