@@ -21,59 +21,74 @@
 
 namespace flash::sm80 {
 
+// The launch attributes of a grid whose query tiles' splits are clusters (FwdParams, num_splits without o_partial):
+// the cluster shape, and the scheduling policy that balances CTAs over the SMs (H100, RESULTS.md: the default
+// policy's decode steps were 1.13-1.27x slower than with a combine kernel).
+struct ClusterLaunch {
+    cudaLaunchAttribute attrs[2]{};
+
+    explicit ClusterLaunch(int splits) {
+        attrs[0].id = cudaLaunchAttributeClusterDimension;
+        attrs[0].val.clusterDim.x = 1;
+        attrs[0].val.clusterDim.y = unsigned(splits);
+        attrs[0].val.clusterDim.z = 1;
+        attrs[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+        attrs[1].val.clusterSchedulingPolicyPreference = cudaClusterSchedulingPolicyLoadBalancing;
+    }
+};
+
+template <class Traits>
+int64_t fwd_tiles(FwdParams const& params) {
+    return tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) * params.h;
+}
+
 template <class Traits, bool kPaged = false, bool kPackedRows = false>
 cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
     constexpr auto kKernel = &fwd_kernel<Traits, kPaged, kPackedRows>;
     constexpr int kSmem = Traits::kSmemBytes;
     if (cudaError_t err = allow_smem<kKernel>(kSmem, hints.device); err != cudaSuccess) { return err; }
-    int64_t const num_blocks =
-        tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) * params.h;
+    int64_t const num_blocks = fwd_tiles<Traits>(params);
     if (num_blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
     unsigned const splits = params.num_splits > 1 ? unsigned(params.num_splits) : 1u;
     dim3 const grid(unsigned(num_blocks), splits);
     if constexpr (kPackedRows) {
         if (splits > 1 && params.o_partial == nullptr) {  // a query tile's splits are one cluster
-            cudaLaunchAttribute attr{};
-            attr.id = cudaLaunchAttributeClusterDimension;
-            attr.val.clusterDim.x = 1;
-            attr.val.clusterDim.y = splits;
-            attr.val.clusterDim.z = 1;
-            return launch_with<kKernel>(&attr, 1, grid, dim3(Traits::kNThreads), kSmem, stream, params);
+            ClusterLaunch cluster{int(splits)};
+            return launch_with<kKernel>(cluster.attrs, 2, grid, dim3(Traits::kNThreads), kSmem, stream, params);
         }
     }
     kKernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
     return cudaGetLastError();
 }
 
-// Whether the GPU can hold a cluster of `splits` CTAs of Kernel (sm_90 code, so that the cluster merge is compiled
-// in): asked once per device and cluster size.
+// How many clusters of `splits` CTAs of Kernel the GPU holds at once (0 without sm_90 code, whose cluster merge is
+// compiled in): asked once per device and cluster size.
 template <auto Kernel>
-bool cluster_fits(int device, int splits, int threads, int smem) {
-    static std::atomic<uint8_t> known[64][kMaxClusterSplits + 1];  // 0: not asked yet, 1: fits, 2: does not
-    if (device < 0 || device >= 64 || splits < 1 || splits > kMaxClusterSplits) { return false; }
-    uint8_t state = known[device][splits].load(std::memory_order_relaxed);
+int active_clusters(int device, int splits, int threads, int smem) {
+    static std::atomic<int> known[64][kMaxClusterSplits + 1];  // 0: not asked yet, else 1 + the answer
+    if (device < 0 || device >= 64 || splits < 2 || splits > kMaxClusterSplits) { return 0; }
+    int state = known[device][splits].load(std::memory_order_relaxed);
     if (state == 0) {
-        cudaLaunchAttribute attr{};
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = 1;
-        attr.val.clusterDim.y = unsigned(splits);
-        attr.val.clusterDim.z = 1;
+        ClusterLaunch cluster{splits};
         cudaLaunchConfig_t config{};
         config.gridDim = dim3(1, unsigned(splits));
         config.blockDim = dim3(unsigned(threads));
         config.dynamicSmemBytes = size_t(smem);
-        config.attrs = &attr;
-        config.numAttrs = 1;
+        config.attrs = cluster.attrs;
+        config.numAttrs = 2;
         int clusters = 0;
-        bool const fits = runs_sm90_code<Kernel>(device) && allow_smem<Kernel>(smem, device) == cudaSuccess &&
-                          cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-                              cudaSuccess &&
-                          cudaOccupancyMaxActiveClusters(&clusters, Kernel, &config) == cudaSuccess && clusters > 0;
-        if (!fits) { cudaGetLastError(); }  // a refused query is an answer, not an error for the next launch
-        state = fits ? 1 : 2;
+        bool const asked = runs_sm90_code<Kernel>(device) && allow_smem<Kernel>(smem, device) == cudaSuccess &&
+                           cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+                               cudaSuccess &&
+                           cudaOccupancyMaxActiveClusters(&clusters, Kernel, &config) == cudaSuccess;
+        if (!asked) {
+            cudaGetLastError();  // a refused query is an answer, not an error for the next launch
+            clusters = 0;
+        }
+        state = 1 + clusters;
         known[device][splits].store(state, std::memory_order_relaxed);
     }
-    return state == 1;
+    return state - 1;
 }
 
 // Keys that the query tile of block_m rows in the middle of the longest sequence visits: the mean over the tiles
@@ -161,15 +176,19 @@ cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cu
     }
 }
 
+// Splits merged inside clusters run only where every cluster of the grid is resident at once: a second wave of
+// clusters (their CTAs placed a GPC at a time) was 1.2x slower than the partials and the combine kernel (H100,
+// RESULTS.md).
 template <int kHeadDim, typename Element>
 char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
     if (params.num_splits > 1 && params.o_partial == nullptr &&
         !with_decode_kernel<kHeadDim, Element>(params, hints, [&](auto traits, auto paged) {
             using Traits = decltype(traits);
-            return cluster_fits<&fwd_kernel<Traits, decltype(paged)::value, true>>(
-                hints.device, params.num_splits, Traits::kNThreads, Traits::kSmemBytes);
+            return active_clusters<&fwd_kernel<Traits, decltype(paged)::value, true>>(
+                       hints.device, params.num_splits, Traits::kNThreads, Traits::kSmemBytes) >=
+                   fwd_tiles<Traits>(params);
         })) {
-        return "splits merged inside a cluster need sm_90 code and at most 16 splits that the GPU holds as a cluster";
+        return "splits merged inside clusters need sm_90 code, at most 16 splits, and one wave of clusters";
     }
     return unsupported_head_dim<kHeadDim, FwdParams>(params, hints);
 }
