@@ -23,7 +23,7 @@ namespace flash::sm80 {
 
 // The launch attributes of a grid whose query tiles' splits are clusters (FwdParams, num_splits without o_partial):
 // the cluster shape, and the scheduling policy that balances CTAs over the SMs (H100, RESULTS.md: the default
-// policy's decode steps were 1.13-1.27x slower than with a combine kernel).
+// policy's decode steps were 1.07-1.25x slower than with a combine kernel).
 struct ClusterLaunch {
     cudaLaunchAttribute attrs[2]{};
 
