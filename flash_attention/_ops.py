@@ -291,9 +291,10 @@ def fwd_split(
     combine kernel (on Hopper, the SM80 tier's decode kernels merge up to 16 chunks inside a cluster). tier: the
     caller's tier override (None: the default). With block_table (int32 (b, max_blocks)), k/v are page pools
     (num_pages, page_size, hk, d) read in place: key j of sequence i is row j % page_size of page
-    block_table[i, j // page_size]. packed_heads > 1: q is GQA-packed (interface.pack_gqa), row r masked as query r // packed_heads.
-    leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). Returns (out, lse (b, h,
-    sq))."""
+    block_table[i, j // page_size]. packed_heads > 1: q is GQA-packed (interface.pack_gqa), row r masked as query
+    r // packed_heads; or q is one unpacked query row (b, 1, hk * packed_heads, d), which the binding packs (a view)
+    and returns unpacked. leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i], seqused_k[i]).
+    Returns (out, lse (b, h, sq))."""
     return split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right,
                               softcap, num_splits, packed_heads, tier)
 
@@ -351,8 +352,11 @@ def decode_attention(route: DecodeRoute, q, k, v, seqused_k, block_table, leftpa
 def _split_fake(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right, softcap,
                 num_splits, packed_heads, tier):
     """The forward's outputs, but as the binding lays out a GQA-packed one-row call's (b, group, hk, d) output: the
-    strides of a contiguous (b, 1, h, d) tensor, which unpack_gqa then views without a copy."""
+    strides of a contiguous (b, 1, h, d) tensor, which unpack_gqa then views without a copy; one unpacked query row
+    (b, 1, h, d), which the binding packs, comes back unpacked: (b, 1, h, d) and lse (b, h, 1)."""
     b, rows, hk, d = q.shape
+    if packed_heads > 1 and rows == 1 and hk == k.shape[2] * packed_heads:
+        return q.new_empty(q.shape), q.new_empty((b, hk, 1), dtype=torch.float32)
     if packed_heads > 1 and rows == packed_heads:
         out = q.new_empty_strided((b, rows, hk, d), (hk * rows * d, d, rows * d, 1))
     else:

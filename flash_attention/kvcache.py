@@ -256,11 +256,14 @@ def flash_attn_with_kvcache(
         and _ops.split_forward_tier(q, k_cache, block_table, cache_leftpad, 1, tier) != _ops.SPLIT_TIER
     native = can_split and (sq <= 64 or faster_tier or _ops.split_tier_is_default(q, tier))
     pack = group > 1 and (exact or native) and not faster_tier
+    # A native call's one query row is packed by the binding (as a view) and comes back unpacked.
+    repack = pack and not (native and sq == 1)
     if pack:
         rows, heads = sq * group, hk
-        q = interface.pack_gqa(q, hk)
     else:
         rows, heads = sq, h
+    if repack:
+        q = interface.pack_gqa(q, hk)
     if native:
         # No query copies or split metadata; a paged cache is read in place, not gathered.
         scale, _, _, cap, _ = interface._scalar_options(0.0, softmax_scale, False, (-1, -1), softcap, False)
@@ -278,7 +281,7 @@ def flash_attn_with_kvcache(
         attend = _ops.split_attention if faster_tier else functools.partial(_ops.decode_attention, route)
         out, lse = attend(q, keys, values, used, table, leftpad, scale, *window, cap, splits, group if pack else 1,
                           tier)
-        if pack:
+        if repack:
             out, lse = interface.unpack_gqa(out, lse, sq)
         return (out, lse) if return_softmax_lse else out
     splits = _ops.split_count(num_splits, b, heads, rows, cache_len, d, _ops.sm_count(q.device)) if exact else 1
@@ -303,7 +306,7 @@ def flash_attn_with_kvcache(
         lse = lse.transpose(1, 2)  # (b, heads, rows)
     else:
         out, lse = out[:, 0], lse[:, :, 0].transpose(0, 1)  # (b, rows, heads, d), (b, heads, rows)
-    if pack:
+    if repack:
         out, lse = interface.unpack_gqa(out, lse, sq)
     else:
         lse = lse.contiguous()

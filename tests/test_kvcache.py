@@ -432,11 +432,18 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
 @pytest.mark.parametrize("sq, packed", [(1, 4), (3, 4), (1, 1)])
 def test_split_fake_lays_out_as_the_binding(sq, packed):
     """fwd_split's fake gives a GQA-packed one-row call's output the binding's layout (a view of a contiguous (b, 1,
-    h, d) tensor, which unpack_gqa views again, without a copy), others a contiguous one: torch.compile trusts it."""
+    h, d) tensor, which unpack_gqa views again, without a copy), others a contiguous one; one unpacked query row,
+    which the binding packs, comes back unpacked and contiguous: torch.compile trusts it."""
     from flash_attention import _ops, interface
     b, hk, d = 2, 3, 16
+    k = torch.randn(b, 5, hk, d, dtype=bf16)
+    if packed > 1 and sq == 1:
+        one_row = torch.randn(b, 1, hk * packed, d, dtype=bf16)
+        out, lse = _ops._split_fake(one_row, k, k, None, None, None, 0.25, -1, -1, 0.0, 2, packed, None)
+        assert out.shape == one_row.shape and out.is_contiguous()
+        assert lse.shape == (b, hk * packed, 1) and lse.is_contiguous() and lse.dtype == torch.float32
     q = torch.randn(b, sq * packed, hk, d, dtype=bf16)
-    out, lse = _ops._split_fake(q, q, q, None, None, None, 0.25, -1, -1, 0.0, 2, packed, None)
+    out, lse = _ops._split_fake(q, k, k, None, None, None, 0.25, -1, -1, 0.0, 2, packed, None)
     assert out.shape == q.shape and lse.shape == (b, hk, sq * packed)
     if packed > 1 and sq == 1:
         assert out.stride() == (hk * packed * d, d, packed * d, 1)
@@ -447,20 +454,49 @@ def test_split_fake_lays_out_as_the_binding(sq, packed):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("sq, packed", [(1, 4), (3, 4), (1, 1)])
-def test_split_opcheck_cuda(sq, packed):
-    """torch.library.opcheck of fwd_split (schema, fake against the binding's outputs, dynamic shapes), packed or not."""
+@pytest.mark.parametrize("sq, packed, unpacked", [(1, 4, False), (3, 4, False), (1, 1, False), (1, 4, True)])
+def test_split_opcheck_cuda(sq, packed, unpacked):
+    """torch.library.opcheck of fwd_split (schema, fake against the binding's outputs, dynamic shapes), packed or not,
+    and one unpacked query row that the binding packs."""
     from flash_attention import _ops
     require_kernel(64, bf16)
     require_kernel(64, bf16, "combine")
     b, hk, d, sk = 2, 2, 64, 300
-    q = torch.randn(b, sq * packed, hk, d, dtype=bf16, device="cuda")
+    shape = (b, 1, hk * packed, d) if unpacked else (b, sq * packed, hk, d)
+    q = torch.randn(*shape, dtype=bf16, device="cuda")
     k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
     if _ops.decode_route(q, None) is None:
         pytest.skip("no split kernels for this head dim")
     used = torch.tensor([7, sk], dtype=torch.int32, device="cuda")
     torch.library.opcheck(torch.ops.flash_attention.fwd_split.default,
                           (q, k, v, used, None, None, d ** -0.5, -1, 0, 0.0, 3, packed, None))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", [1, 3, 17])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_split_packs_one_row_cuda(splits, page_size):
+    """One query row of every head, handed to fwd_split unpacked, is packed by the binding (a view) and comes back
+    unpacked: the same bits as pack_gqa, the packed call and unpack_gqa, unsplit, merged inside a cluster (3 splits,
+    on Hopper) or by the combine kernel (17)."""
+    from flash_attention import _ops, interface
+    require_kernel(128, bf16)
+    require_kernel(128, bf16, "combine")
+    b, h, hk, d, sk = 3, 8, 2, 128, 700
+    q = torch.randn(b, 1, h, d, dtype=bf16, device="cuda")
+    k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
+    if _ops.decode_route(q, None) is None:
+        pytest.skip("no split kernels for this head dim")
+    used = torch.tensor([0, 300, sk], dtype=torch.int32, device="cuda")
+    table = None
+    if page_size is not None:
+        k, v, table = pages_of(k, v, page_size)
+    args = (used, table, None, d ** -0.5, -1, 0, 0.0, splits, h // hk, None)
+    out, lse = _ops.split_attention(q, k, v, *args)
+    ref_out, ref_lse = interface.unpack_gqa(*_ops.split_attention(interface.pack_gqa(q, hk), k, v, *args), 1)
+    assert out.shape == q.shape and lse.shape == (b, h, 1)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1:].abs().amax() > 0
 
 
 @pytest.mark.cuda
@@ -579,9 +615,10 @@ def test_split_forward_tier(monkeypatch, sq, table, leftpad, packed, tier, expec
     (512, True, "sm80", True), (512, False, "sm90", True),
 ])
 def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, fwd_tier, native):
-    """Decode-shaped calls (at most 64 query rows) take the native split kernels, GQA-packed; prefill-shaped ones do
-    too where the split kernels' tier is the GPU's own, or unpacked where the GPU's faster tier writes the split
-    partials itself (Hopper, the SM90 forward), and are otherwise composed (one varlen call, on the faster tier)."""
+    """Decode-shaped calls (at most 64 query rows) take the native split kernels, GQA-packed (one query row by the
+    binding); prefill-shaped ones do too where the split kernels' tier is the GPU's own, or unpacked where the GPU's
+    faster tier writes the split partials itself (Hopper, the SM90 forward), and are otherwise composed (one varlen
+    call, on the faster tier)."""
     from flash_attention import _ops
     split_calls = []
 
@@ -598,7 +635,9 @@ def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, fw
     k_cache, v_cache = (torch.randn(2, 600, 2, 64, dtype=bf16) for _ in range(2))
     flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=600, causal=True)
     assert (len(split_calls), len(stub_kernel)) == ((1, 0) if native else (0, 1))
-    if native and (sq <= 64 or fwd_tier == "sm80"):
+    if native and sq == 1:
+        assert split_calls[0] == (2, 1, 8, 64)  # one query row: packed by the binding
+    elif native and (sq <= 64 or fwd_tier == "sm80"):
         assert split_calls[0] == (2, sq * 4, 2, 64)  # GQA-packed under the causal mask
     elif native:
         assert split_calls[0] == (2, sq, 8, 64)  # a prefill on the SM90 forward: not packed

@@ -421,9 +421,10 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
 // thread-block cluster where it can (SM80-tier decode kernels on sm_90, at most 16 chunks), else writes fp32 partials
 // that combine_tier's combine kernel merges. With block_table, k and v are page pools (num_pages, page_size, hk, d),
 // read in place. Each chunk is masked as the whole call is, so any mask splits exactly. packed_heads > 1: q is
-// GQA-packed (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query. leftpad_k (int32
-// (b,)): sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not taken
-// (flash_attn_with_kvcache, the caller, passes neither).
+// GQA-packed (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query (or one query row
+// of every head, (b, 1, hk * packed_heads, d), packed here and returned as (b, 1, h, d) and lse (b, h, 1)).
+// leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not
+// taken (flash_attn_with_kvcache, the caller, passes neither).
 std::tuple<at::Tensor, at::Tensor> fwd_split(
     at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in, std::optional<at::Tensor> const& seqused_k,
     std::optional<at::Tensor> const& block_table, std::optional<at::Tensor> const& leftpad_k, double softmax_scale,
@@ -431,11 +432,17 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     int64_t kernel_head_dim, int64_t tier, int64_t combine_tier) {
     c10::cuda::CUDAGuard guard(q_in.device());
     TORCH_CHECK(num_splits >= 1 && num_splits <= 256, "flash_attention: num_splits must be in [1, 256]");
-    TORCH_CHECK(packed_heads >= 1 && q_in.dim() == 4 && q_in.size(1) % packed_heads == 0,
+    // One query row of every head (b, 1, hk * packed_heads, d) is packed here, as a view (b, packed_heads, hk, d), and
+    // returned unpacked: a decode step's view ops cost more host time from Python than its kernel takes.
+    bool const pack_here = packed_heads > 1 && q_in.dim() == 4 && k_in.dim() == 4 && q_in.size(1) == 1 &&
+                           q_in.size(2) == k_in.size(2) * packed_heads;
+    at::Tensor const q_rows =
+        pack_here ? q_in.reshape({q_in.size(0), k_in.size(2), packed_heads, q_in.size(3)}).transpose(1, 2) : q_in;
+    TORCH_CHECK(packed_heads >= 1 && q_rows.dim() == 4 && q_rows.size(1) % packed_heads == 0,
                 "flash_attention: packed_heads must be >= 1 and divide q's rows");
     std::optional<at::Tensor> const none;
     SeqArgs const seqs{none, none, none, seqused_k, 0, 0};
-    at::Tensor const q = kernel_operand(q_in), k = kernel_operand(k_in), v = kernel_operand(v_in);
+    at::Tensor const q = kernel_operand(q_rows), k = kernel_operand(k_in), v = kernel_operand(v_in);
     flash::FwdParams p{};
     p.packed_heads = int(packed_heads);
     int64_t paged_rows = 0;
@@ -455,12 +462,16 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     // A decode step GQA-packed (one query row: packed rows (b, group, hk, d)) is written straight into a (b, 1, h, d)
     // result, which unpack_gqa then views: its regrouping copy would be a kernel of its own.
     int64_t const group = packed_heads;
-    at::Tensor out = group > 1 && q.size(1) == group
-                         ? at::empty({q.size(0), 1, q.size(2) * group, q.size(3)}, q.options())
-                               .view({q.size(0), q.size(2), group, q.size(3)})
-                               .transpose(1, 2)
-                         : at::empty(q.sizes(), q.options());
-    at::Tensor lse = at::empty({p.b, p.h, p.sq}, fp32);
+    bool const one_row_packed = group > 1 && q.size(1) == group;
+    at::Tensor const result = one_row_packed ? at::empty({q.size(0), 1, q.size(2) * group, q.size(3)}, q.options())
+                                             : at::empty(q.sizes(), q.options());
+    at::Tensor const out =
+        one_row_packed ? result.view({q.size(0), q.size(2), group, q.size(3)}).transpose(1, 2) : result;
+    at::Tensor const lse = at::empty({p.b, p.h, p.sq}, fp32);
+    auto const returned = [&]() -> std::tuple<at::Tensor, at::Tensor> {
+        if (pack_here) { return {result, lse.view({p.b, p.h * group, 1})}; }
+        return {out, lse};
+    };
     flash::LaunchHints const hints = launch_hints(p, q, seqs);
     // One chunk, or chunks merged inside a cluster where the kernel can: the forward stores the result itself.
     p.num_splits = int(num_splits);
@@ -470,7 +481,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
     if (num_splits == 1 || can_run("fwd", tier, kernel_head_dim, q, p, hints)) {
         run("fwd", tier, kernel_head_dim, q, p, hints);
-        return {out, lse};
+        return returned();
     }
     at::Tensor const o_partial = at::empty({num_splits, p.b, p.sq, p.h, p.d}, fp32);
     at::Tensor const lse_partial = at::empty({num_splits, p.b, p.h, p.sq}, fp32);
@@ -481,7 +492,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     p.o_batch_stride = o_partial.stride(1), p.o_row_stride = o_partial.stride(2), p.o_head_stride = o_partial.stride(3);
     run("fwd", tier, kernel_head_dim, q, p, hints);
     combine(o_partial, lse_partial.transpose(2, 3), out, lse, kernel_head_dim, combine_tier);
-    return {out, lse};
+    return returned();
 }
 
 // Eager forward with its backward as a C++ autograd node, so that an eager training step pays no Python in the
