@@ -288,7 +288,9 @@ def fwd_split(
     """Split-KV forward for decoding, not differentiable: q (b, sq, h, d), k/v (b, sk, hk, d) validated, head dim a
     multiple of 8, of which sequence i uses the first seqused_k[i] keys; each query tile's keys are cut into
     num_splits chunks attended to by CTAs of their own (fp32 partials; split_forward_tier says whose), merged by the
-    combine kernel (on Hopper, the SM80 tier's decode kernels merge up to 16 chunks inside a cluster). tier: the
+    combine kernel (on Hopper, the SM80 tier's decode kernels merge up to 16 chunks inside a cluster; a negative
+    num_splits is -num_splits chosen by split_count, which the binding may lower, to a third at most, where fewer
+    chunks merge inside clusters and more do not). tier: the
     caller's tier override (None: the default). With block_table (int32 (b, max_blocks)), k/v are page pools
     (num_pages, page_size, hk, d) read in place: key j of sequence i is row j % page_size of page
     block_table[i, j // page_size]. packed_heads > 1: q is GQA-packed (interface.pack_gqa), row r masked as query

@@ -133,7 +133,7 @@ def _decode_forward(q, k, v, softmax_scale, window, softcap, tier, route):
     splits = _ops.split_count(0, b, hk, sq * group, k.shape[1], d, route.sm_count)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     out, lse = _ops.decode_attention(route, pack_gqa(q, hk) if repack else q, k, v, None, None, None, scale, *window,
-                                     softcap, splits, group, tier)
+                                     softcap, -splits, group, tier)  # negative: an automatic count
     return unpack_gqa(out, lse, sq) if repack else (out, lse)
 
 

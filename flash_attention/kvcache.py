@@ -279,8 +279,8 @@ def flash_attn_with_kvcache(
         leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
         # Other than on the faster tier, the forward is SPLIT_TIER's, whose kernels the route holds.
         attend = _ops.split_attention if faster_tier else functools.partial(_ops.decode_attention, route)
-        out, lse = attend(q, keys, values, used, table, leftpad, scale, *window, cap, splits, group if pack else 1,
-                          tier)
+        out, lse = attend(q, keys, values, used, table, leftpad, scale, *window, cap,
+                          -splits if num_splits == 0 else splits, group if pack else 1, tier)  # negative: automatic
         if repack:
             out, lse = interface.unpack_gqa(out, lse, sq)
         return (out, lse) if return_softmax_lse else out

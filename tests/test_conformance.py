@@ -279,4 +279,5 @@ def test_decode_shaped_calls_take_the_split_kernels(stub_kernel, monkeypatch, sq
         packed_shape = (2, 1, 8, 64) if sq == 1 else (2, sq * 4, 2, 64)
         assert split_calls[0]["shape"] == packed_shape and split_calls[0]["packed_heads"] == 4
         # One query row sees every key under the bottom-right causal mask: no bound is left.
-        assert split_calls[0]["window"] == ((-1, -1) if sq == 1 else (-1, 0)) and split_calls[0]["splits"] >= 1
+        assert split_calls[0]["window"] == ((-1, -1) if sq == 1 else (-1, 0))
+        assert split_calls[0]["splits"] <= -1  # an automatic count (split_count's), which the binding may lower

@@ -473,6 +473,29 @@ def test_split_opcheck_cuda(sq, packed, unpacked):
 
 
 @pytest.mark.cuda
+def test_automatic_split_count_cuda():
+    """An automatic split count (negative) may be lowered by the binding, to a third at most, where fewer chunks merge
+    inside clusters (on an H100: 16 query tiles of 16 chunks exceed the 15 clusters it holds at once): the result is
+    one of the allowed counts' bit for bit, and matches the reference."""
+    from flash_attention import _ops
+    require_kernel(128, bf16)
+    require_kernel(128, bf16, "combine")
+    b, h, hk, d, sk = 16, 4, 1, 128, 8192
+    q = torch.randn(b, 1, h, d, dtype=bf16, device="cuda")
+    k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
+    if _ops.decode_route(q, None) is None:
+        pytest.skip("no split kernels for this head dim")
+    used = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+    run = lambda splits: _ops.split_attention(q, k, v, used, None, None, d ** -0.5, -1, -1, 0.0, splits, h, None)
+    out, lse = run(-16)
+    assert any(torch.equal(out, run(n)[0]) for n in range(6, 17))
+    ref_out, ref_lse = attention_ref(q, k, v)
+    low_out, _ = attention_ref(q, k, v, upcast=False)
+    err, low_err = ((o.float() - ref_out.float()).abs().max() for o in (out, low_out))
+    assert err <= 2 * low_err + 1e-4 and torch.allclose(lse, ref_lse.float(), atol=1e-3, rtol=0)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("splits", [1, 3, 17])
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_split_packs_one_row_cuda(splits, page_size):

@@ -201,14 +201,6 @@ flash::KernelDescriptor<Params> const* find_kernel(char const* kind, int64_t tie
     return flash::KernelRegistry<Params>::find(flash::KernelKey{int(tier), kind, int(kernel_head_dim), dt, dt});
 }
 
-// Whether that kernel is built and can run params.
-template <class Params>
-bool can_run(char const* kind, int64_t tier, int64_t kernel_head_dim, at::Tensor const& q, Params const& params,
-             flash::LaunchHints const& hints) {
-    auto const* kernel = find_kernel<Params>(kind, tier, kernel_head_dim, q);
-    return kernel != nullptr && kernel->unsupported(params, hints) == nullptr;
-}
-
 // Runs that kernel on params, with the workspace its descriptor asks for.
 template <class Params>
 void run(char const* kind, int64_t tier, int64_t kernel_head_dim, at::Tensor const& q, Params const& params,
@@ -417,9 +409,9 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
 }
 
 // (out, lse (b, h, sq)) of a batched forward whose keys are split into num_splits chunks per query tile (split-KV,
-// for decoding: the chunks fill the GPU where b * h query tiles cannot): tier's forward merges the chunks inside a
-// thread-block cluster where it can (SM80-tier decode kernels on sm_90, at most 16 chunks), else writes fp32 partials
-// that combine_tier's combine kernel merges. With block_table, k and v are page pools (num_pages, page_size, hk, d),
+// for decoding: the chunks fill the GPU where b * h query tiles cannot; negative: -num_splits, an automatic count
+// that may be lowered): tier's forward merges the chunks inside a thread-block cluster where it can (SM80-tier decode
+// kernels on sm_90, at most 16 chunks), else writes fp32 partials that combine_tier's combine kernel merges. With block_table, k and v are page pools (num_pages, page_size, hk, d),
 // read in place. Each chunk is masked as the whole call is, so any mask splits exactly. packed_heads > 1: q is
 // GQA-packed (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query (or one query row
 // of every head, (b, 1, hk * packed_heads, d), packed here and returned as (b, 1, h, d) and lse (b, h, 1)).
@@ -431,7 +423,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     int64_t window_left, int64_t window_right, double softcap, int64_t num_splits, int64_t packed_heads,
     int64_t kernel_head_dim, int64_t tier, int64_t combine_tier) {
     c10::cuda::CUDAGuard guard(q_in.device());
-    TORCH_CHECK(num_splits >= 1 && num_splits <= 256, "flash_attention: num_splits must be in [1, 256]");
+    bool const automatic = num_splits < 0;  // a count chosen by the caller's rule, which may be lowered (below)
+    num_splits = std::abs(num_splits);
+    TORCH_CHECK(num_splits >= 1 && num_splits <= 256,
+                "flash_attention: num_splits must be in [1, 256] (negative: an automatic count)");
     // One query row of every head (b, 1, hk * packed_heads, d) is packed here, as a view (b, packed_heads, hk, d), and
     // returned unpacked: a decode step's view ops cost more host time from Python than its kernel takes.
     bool const pack_here = packed_heads > 1 && q_in.dim() == 4 && k_in.dim() == 4 && q_in.size(1) == 1 &&
@@ -473,16 +468,22 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
         return {out, lse};
     };
     flash::LaunchHints const hints = launch_hints(p, q, seqs);
-    // One chunk, or chunks merged inside a cluster where the kernel can: the forward stores the result itself.
-    p.num_splits = int(num_splits);
+    // One chunk, or chunks merged inside clusters where the kernel can: the forward stores the result itself. An
+    // automatic count that cannot merge there takes the largest smaller one that can, down to a third of it: 2-6%
+    // faster than the partials and the combine kernel on the H100 (RESULTS.md, session 36).
     p.o = out.data_ptr();
     p.lse = lse.data_ptr<float>();
     Strides const os = strides_of(out, false);
     p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
-    if (num_splits == 1 || can_run("fwd", tier, kernel_head_dim, q, p, hints)) {
-        run("fwd", tier, kernel_head_dim, q, p, hints);
-        return returned();
+    auto const* kernel = find_kernel<flash::FwdParams>("fwd", tier, kernel_head_dim, q);
+    for (int64_t s = num_splits; s >= (automatic ? std::max<int64_t>(2, (num_splits + 2) / 3) : num_splits); --s) {
+        p.num_splits = int(s);
+        if (s == 1 || (kernel != nullptr && kernel->unsupported(p, hints) == nullptr)) {
+            run("fwd", tier, kernel_head_dim, q, p, hints);
+            return returned();
+        }
     }
+    p.num_splits = int(num_splits);
     at::Tensor const o_partial = at::empty({num_splits, p.b, p.sq, p.h, p.d}, fp32);
     at::Tensor const lse_partial = at::empty({num_splits, p.b, p.h, p.sq}, fp32);
     p.o_partial = o_partial.data_ptr<float>();
