@@ -472,19 +472,26 @@ def test_split_opcheck_cuda(sq, packed, unpacked):
                           (q, k, v, used, None, None, d ** -0.5, -1, 0, 0.0, 3, packed, None))
 
 
+def one_row_inputs(b, h, hk, d, sk):
+    """q (one query row per head), k and v (bf16) for fwd_split, or a skip where the build lacks its kernels."""
+    from flash_attention import _ops
+    require_kernel(d, bf16)
+    require_kernel(d, bf16, "combine")
+    q = torch.randn(b, 1, h, d, dtype=bf16, device="cuda")
+    k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
+    if _ops.decode_route(q, None) is None:
+        pytest.skip("no split kernels for this head dim")
+    return q, k, v
+
+
 @pytest.mark.cuda
 def test_automatic_split_count_cuda():
     """An automatic split count (negative) may be lowered by the binding, to a third at most, where fewer chunks merge
     inside clusters (on an H100: 16 query tiles of 16 chunks exceed the 15 clusters it holds at once): the result is
     one of the allowed counts' bit for bit, and matches the reference."""
     from flash_attention import _ops
-    require_kernel(128, bf16)
-    require_kernel(128, bf16, "combine")
     b, h, hk, d, sk = 16, 4, 1, 128, 8192
-    q = torch.randn(b, 1, h, d, dtype=bf16, device="cuda")
-    k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
-    if _ops.decode_route(q, None) is None:
-        pytest.skip("no split kernels for this head dim")
+    q, k, v = one_row_inputs(b, h, hk, d, sk)
     used = torch.full((b,), sk, dtype=torch.int32, device="cuda")
     run = lambda splits: _ops.split_attention(q, k, v, used, None, None, d ** -0.5, -1, -1, 0.0, splits, h, None)
     out, lse = run(-16)
@@ -503,13 +510,8 @@ def test_split_packs_one_row_cuda(splits, page_size):
     unpacked: the same bits as pack_gqa, the packed call and unpack_gqa, unsplit, merged inside a cluster (3 splits,
     on Hopper) or by the combine kernel (17)."""
     from flash_attention import _ops, interface
-    require_kernel(128, bf16)
-    require_kernel(128, bf16, "combine")
     b, h, hk, d, sk = 3, 8, 2, 128, 700
-    q = torch.randn(b, 1, h, d, dtype=bf16, device="cuda")
-    k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
-    if _ops.decode_route(q, None) is None:
-        pytest.skip("no split kernels for this head dim")
+    q, k, v = one_row_inputs(b, h, hk, d, sk)
     used = torch.tensor([0, 300, sk], dtype=torch.int32, device="cuda")
     table = None
     if page_size is not None:

@@ -408,15 +408,15 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
     return q_rot;
 }
 
-// (out, lse (b, h, sq)) of a batched forward whose keys are split into num_splits chunks per query tile (split-KV,
-// for decoding: the chunks fill the GPU where b * h query tiles cannot; negative: -num_splits, an automatic count
-// that may be lowered): tier's forward merges the chunks inside a thread-block cluster where it can (SM80-tier decode
-// kernels on sm_90, at most 16 chunks), else writes fp32 partials that combine_tier's combine kernel merges. With block_table, k and v are page pools (num_pages, page_size, hk, d),
-// read in place. Each chunk is masked as the whole call is, so any mask splits exactly. packed_heads > 1: q is
-// GQA-packed (b, sq * packed_heads, hk, d), row r being query r / packed_heads, masked as that query (or one query row
-// of every head, (b, 1, hk * packed_heads, d), packed here and returned as (b, 1, h, d) and lse (b, h, 1)).
-// leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not
-// taken (flash_attn_with_kvcache, the caller, passes neither).
+// (out, lse (b, h, sq)) of a batched forward whose keys are split into num_splits chunks per query tile (split-KV, for
+// decoding: the chunks fill the GPU where b * h query tiles cannot; negative: -num_splits, an automatic count that may
+// be lowered): tier's forward merges the chunks inside a thread-block cluster where it can (SM80-tier decode kernels on
+// sm_90, at most 16 chunks), else writes fp32 partials that combine_tier's combine kernel merges. With block_table, k
+// and v are page pools (num_pages, page_size, hk, d), read in place. Each chunk is masked as the whole call is, so any
+// mask splits exactly. packed_heads > 1: q is GQA-packed (b, sq * packed_heads, hk, d), row r being query r /
+// packed_heads, masked as that query (or one query row of every head, (b, 1, hk * packed_heads, d), packed here and
+// returned as (b, 1, h, d) and lse (b, h, 1)). leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i],
+// seqused_k[i]). seqused_q and ALiBi are not taken (flash_attn_with_kvcache, the caller, passes neither).
 std::tuple<at::Tensor, at::Tensor> fwd_split(
     at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in, std::optional<at::Tensor> const& seqused_k,
     std::optional<at::Tensor> const& block_table, std::optional<at::Tensor> const& leftpad_k, double softmax_scale,
@@ -455,7 +455,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, none, seqs, paged_rows);
     auto const fp32 = q.options().dtype(at::kFloat);
     // A decode step GQA-packed (one query row: packed rows (b, group, hk, d)) is written straight into a (b, 1, h, d)
-    // result, which unpack_gqa then views: its regrouping copy would be a kernel of its own.
+    // result, returned as such where q came unpacked, else viewed by unpack_gqa: its regrouping copy would be a kernel
+    // of its own.
     int64_t const group = packed_heads;
     bool const one_row_packed = group > 1 && q.size(1) == group;
     at::Tensor const result = one_row_packed ? at::empty({q.size(0), 1, q.size(2) * group, q.size(3)}, q.options())

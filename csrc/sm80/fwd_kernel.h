@@ -13,6 +13,8 @@
 // Warps split the rows (16 or more each), or, in the 16-row decode tile (FwdTile::warps_over_keys), each key block:
 // warp w multiplies its own keys with its own softmax state and output, merged across the warps after the loop
 // (merge_warp_outputs), so that a few query rows cost a quarter of the MMA and ldmatrix work per key.
+// Split-KV (decode kernels): blockIdx.y is the chunk of the tile's keys; its output goes to fp32 partials for the
+// combine kernel, or, where the tile's chunks form a cluster (sm_90), is merged in place (merge_splits_in_cluster).
 #pragma once
 
 #include <cute/tensor.hpp>
