@@ -232,7 +232,10 @@ __device__ __forceinline__ void merge_splits_in_cluster(TiledMma const& tiled_mm
         *reinterpret_cast<cutlass::AlignedArray<Element, 4>*>(o + int64_t(row) * params.o_row_stride + col) = out;
         if (col == 0) { lse_out[row] = logf(sum) + base; }
     }
-    cute::cluster_arrive_relaxed();  // this CTA is done reading the others' shared memory
+    // This CTA is done reading the others' shared memory: relaxed, since each remote load's value has been stored to
+    // global memory above (the loop reconverges before the arrive), so no load is in flight; a release arrive would
+    // add a GPU-scope memory barrier behind those stores.
+    cute::cluster_arrive_relaxed();
     cute::cluster_wait();
 #endif
 }
