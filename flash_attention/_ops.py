@@ -290,13 +290,12 @@ def fwd_split(
     num_splits chunks attended to by CTAs of their own (fp32 partials; split_forward_tier says whose), merged by the
     combine kernel (on Hopper, the SM80 tier's decode kernels merge up to 16 chunks inside a cluster; a negative
     num_splits is -num_splits chosen by split_count, which the binding may lower, to a third at most, where fewer
-    chunks merge inside clusters and more do not). tier: the
-    caller's tier override (None: the default). With block_table (int32 (b, max_blocks)), k/v are page pools
-    (num_pages, page_size, hk, d) read in place: key j of sequence i is row j % page_size of page
-    block_table[i, j // page_size]. packed_heads > 1: q is GQA-packed (interface.pack_gqa), row r masked as query
-    r // packed_heads; or q is one unpacked query row (b, 1, hk * packed_heads, d), which the binding packs (a view)
-    and returns unpacked. leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i], seqused_k[i]).
-    Returns (out, lse (b, h, sq))."""
+    chunks merge inside clusters and more do not). tier: the caller's tier override (None: the default). With
+    block_table (int32 (b, max_blocks)), k/v are page pools (num_pages, page_size, hk, d) read in place: key j of
+    sequence i is row j % page_size of page block_table[i, j // page_size]. packed_heads > 1: q is GQA-packed
+    (interface.pack_gqa), row r masked as query r // packed_heads; or q is one unpacked query row (b, 1, hk *
+    packed_heads, d), which the binding packs (a view) and returns unpacked. leftpad_k (int32 (b,)): sequence i's
+    keys are its rows [leftpad_k[i], seqused_k[i]). Returns (out, lse (b, h, sq))."""
     return split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right,
                               softcap, num_splits, packed_heads, tier)
 

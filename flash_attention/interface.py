@@ -122,9 +122,9 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
 def _decode_forward(q, k, v, softmax_scale, window, softcap, tier, route):
     """A decode-shaped call without gradient (at most 64 query rows) on the native split kernels: the query heads of a
     kv head packed into one tile's rows (each masked as its query row), the keys cut into chunks that fill the GPU
-    (_ops.split_count), merged by the combine kernel. On Hopper it beat the SM90 forward, whose one CTA per (batch,
-    head) leaves most SMs idle, on two of three measured shapes (b 8 with 4k keys lost 12%; RESULTS.md). route:
-    _ops.decode_route(q, tier)."""
+    (_ops.split_count), merged by the combine kernel or, on Hopper, inside a cluster. On Hopper it beat the SM90
+    forward, whose one CTA per (batch, head) leaves most SMs idle, on two of three measured shapes (b 8 with 4k keys
+    lost 12%; RESULTS.md). route: _ops.decode_route(q, tier)."""
     b, sq, h, d = q.shape
     hk = k.shape[2]
     group = h // hk

@@ -9,8 +9,8 @@ Without ALiBi (and cache_batch_idx on a paged cache), and unless prefill-shaped 
 with a faster tier of its own (Hopper) with cache_leftpad or pages not a multiple of 64 rows, the call is native
 (_ops.decode_attention; _ops.split_attention on the faster tier): CTAs read the cache in place (a paged one through
 its block table; from cache_leftpad on), each sequence's keys cut into num_splits chunks (0: enough to fill the GPU;
-each chunk masked as the whole call is)
-whose fp32 partials the combine kernel merges. Decode-shaped calls run the SM80 tier's decode kernels, the query
+each chunk masked as the whole call is) whose fp32 partials the combine kernel merges (on Hopper, up to 16 chunks
+merge inside a thread-block cluster instead). Decode-shaped calls run the SM80 tier's decode kernels, the query
 heads of a kv head packed as rows of one sequence (GQA packing, each packed row masked as its query row), so each
 K/V block is read once per kv head; prefill-shaped ones on Hopper run the SM90 forward, unpacked (a paged cache by
 TMA boxes from its pages). Otherwise, and

@@ -201,11 +201,10 @@ flash::KernelDescriptor<Params> const* find_kernel(char const* kind, int64_t tie
     return flash::KernelRegistry<Params>::find(flash::KernelKey{int(tier), kind, int(kernel_head_dim), dt, dt});
 }
 
-// Runs that kernel on params, with the workspace its descriptor asks for.
+// Runs kernel (found by find_kernel for these arguments) on params, with the workspace its descriptor asks for.
 template <class Params>
-void run(char const* kind, int64_t tier, int64_t kernel_head_dim, at::Tensor const& q, Params const& params,
-         flash::LaunchHints const& hints) {
-    auto const* kernel = find_kernel<Params>(kind, tier, kernel_head_dim, q);
+void run(flash::KernelDescriptor<Params> const* kernel, char const* kind, int64_t tier, int64_t kernel_head_dim,
+         at::Tensor const& q, Params const& params, flash::LaunchHints const& hints) {
     TORCH_CHECK(kernel != nullptr, "flash_attention: no sm", tier, " ", kind, " kernel for head dim ", kernel_head_dim,
                 " and ", dtype_name(dtype_of(q)), " in this build (see FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS)");
     char const* why = kernel->unsupported(params, hints);
@@ -217,6 +216,12 @@ void run(char const* kind, int64_t tier, int64_t kernel_head_dim, at::Tensor con
     if (ws.bytes > 0) { workspace = at::empty({int64_t(ws.bytes)}, q.options().dtype(at::kByte)); }
     cudaError_t const err = kernel->launch(params, hints, ws.bytes > 0 ? workspace.data_ptr() : nullptr, stream);
     TORCH_CHECK(err == cudaSuccess, "flash_attention: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+template <class Params>
+void run(char const* kind, int64_t tier, int64_t kernel_head_dim, at::Tensor const& q, Params const& params,
+         flash::LaunchHints const& hints) {
+    run(find_kernel<Params>(kind, tier, kernel_head_dim, q), kind, tier, kernel_head_dim, q, params, hints);
 }
 
 // (out, lse) of the forward. Rows past seqused_q are left unwritten by the kernel, so then out starts at 0 and
@@ -480,7 +485,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     for (int64_t s = num_splits; s >= (automatic ? std::max<int64_t>(2, (num_splits + 2) / 3) : num_splits); --s) {
         p.num_splits = int(s);
         if (s == 1 || (kernel != nullptr && kernel->unsupported(p, hints) == nullptr)) {
-            run("fwd", tier, kernel_head_dim, q, p, hints);
+            run(kernel, "fwd", tier, kernel_head_dim, q, p, hints);
             return returned();
         }
     }
@@ -492,7 +497,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     p.o_partial_split_stride = o_partial.stride(0);
     p.lse_partial_split_stride = lse_partial.stride(0);
     p.o_batch_stride = o_partial.stride(1), p.o_row_stride = o_partial.stride(2), p.o_head_stride = o_partial.stride(3);
-    run("fwd", tier, kernel_head_dim, q, p, hints);
+    run(kernel, "fwd", tier, kernel_head_dim, q, p, hints);
     combine(o_partial, lse_partial.transpose(2, 3), out, lse, kernel_head_dim, combine_tier);
     return returned();
 }
