@@ -24,15 +24,23 @@ def check_packed(t, name: str, count: int, layout: str, rank: int = 5) -> None:
         raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
 
 
-def _check_qkv(q, k, v, layouts) -> None:
-    """Types, dtypes, ranks and head counts of q, k, v; layouts names each one's dims, as (q's, k/v's)."""
-    # The common case in one expression (this runs on every call); anything else takes the checks that name the fault.
+def _qkv_valid(q, k, v, rank: int) -> bool:
+    """The common case of _check_qkv in one expression (it runs on every call): plain tensors of one supported dtype
+    and of the given rank, k and v of one shape, a head dim q shares and the kernels take, hk dividing h, and for
+    batched tensors (rank 4) one batch size."""
     if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
         qs, ks = q.shape, k.shape
-        if (q.dtype in _DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and len(qs) == len(layouts[0])
-                and len(ks) == len(qs) and v.shape == ks and ks[-1] == qs[-1] and 1 <= qs[-1] <= MAX_HEAD_DIM
-                and ks[-2] >= 1 and qs[-2] % ks[-2] == 0 and qs[-2] >= 1):
-            return
+        return (q.dtype in _DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and len(qs) == rank
+                and len(ks) == rank and v.shape == ks and ks[-1] == qs[-1] and 1 <= qs[-1] <= MAX_HEAD_DIM
+                and ks[-2] >= 1 and qs[-2] % ks[-2] == 0 and qs[-2] >= 1 and (rank != 4 or ks[0] == qs[0]))
+    return False
+
+
+def _check_qkv(q, k, v, layouts) -> None:
+    """Types, dtypes, ranks and head counts of q, k, v; layouts names each one's dims, as (q's, k/v's). Anything
+    _qkv_valid does not pass takes the checks that name the fault."""
+    if _qkv_valid(q, k, v, len(layouts[0])):
+        return
     tensors = (("q", q), ("k", k), ("v", v))
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -82,6 +90,9 @@ def _check_alibi(alibi_slopes, b: int, h: int) -> None:
 def check_inputs(q, k, v, alibi_slopes, tier) -> None:
     """Validate the tensors of flash_attn_func and the tier. The device is checked last so that every other check can
     be exercised with CPU tensors."""
+    if (alibi_slopes is None and tier is None and _qkv_valid(q, k, v, 4) and q.is_cuda
+            and k.get_device() == q.get_device() and v.get_device() == q.get_device()):
+        return  # the common case in one expression: every call runs this
     _check_qkv(q, k, v, (("batch", "seqlen_q", "nheads", "head_dim"), ("batch", "seqlen_k", "nheads_k", "head_dim")))
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q and k/v must have the same batch size, got {q.shape[0]} and {k.shape[0]}")

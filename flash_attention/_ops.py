@@ -388,20 +388,36 @@ def _eager(q, k, v) -> bool:
             and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor)
 
 
+# (device index, head dim, dtype, tier override) -> (forward's kernel head dim and tier id, then the backward's, or
+# None where the build lacks a backward kernel): a differentiable eager call finds both with one lookup.
+_autograd_routes = {}
+
+
+def _autograd_route(q: torch.Tensor, tier: Optional[str]):
+    override = _dispatch.requested_tier(tier)
+    key = (q.get_device(), q.shape[-1], q.dtype, override)
+    route = _autograd_routes.get(key)
+    if route is None:
+        fwd_tier, fwd_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, override)  # raises uncached
+        try:
+            bwd_tier, bwd_dim = _dispatch.resolve(q.device, "bwd", q.shape[-1], q.dtype, override)
+            route = (fwd_dim, fwd_tier, bwd_dim, bwd_tier)
+        except RuntimeError:
+            route = (fwd_dim, fwd_tier, None, None)
+        _autograd_routes[key] = route
+    return route
+
+
 def _differentiable(q, k, v, args) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) with the backward as the binding's C++ autograd node; both kernels are resolved now (a tier override
     read at the forward holds for its backward). Without a backward kernel (a build with FLASH_ATTN_KINDS=fwd) the
     forward still runs: the Python twin defers the backward's lookup, and its error, to the backward."""
     if nothing_to_compute(q, k, args[0]):
         return _EagerAttention.apply(q, k, v, args)
-    ext = _dispatch.load_extension()
-    tier = args[-1]
-    fwd_tier, fwd_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, tier)
-    try:
-        bwd_tier, bwd_dim = _dispatch.resolve(q.device, "bwd", q.shape[-1], q.dtype, tier)
-    except RuntimeError:
+    route = _autograd_route(q, args[-1])
+    if route[2] is None:
         return _EagerAttention.apply(q, k, v, args)
-    out, lse = ext.attention_autograd(q, k, v, *args[:-1], fwd_dim, fwd_tier, bwd_dim, bwd_tier)
+    out, lse = _dispatch.load_extension().attention_autograd(q, k, v, *args[:-1], *route)
     return out, lse
 
 
