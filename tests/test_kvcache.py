@@ -503,6 +503,27 @@ def test_automatic_split_count_cuda():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("splits", [-1, 1, -2])
+def test_unmerged_kernels_cuda(splits):
+    """A decode step whose chunks need no merging kernel launches one kernel: one chunk, automatic (-1) or not, or
+    chunks merged inside a cluster (checked on sm_90). The combine kernel is named by the profiler."""
+    from flash_attention import _ops
+    b, h, hk, d, sk = 1, 8, 8, 128, 1024
+    q, k, v = one_row_inputs(b, h, hk, d, sk)
+    run = lambda: _ops.split_attention(q, k, v, None, None, None, d ** -0.5, -1, -1, 0.0, splits, 1, None)
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels, "the profiler saw no kernel"
+    merged_in_clusters = torch.cuda.get_device_capability() == (9, 0)  # the one GPU where this has run
+    if splits != -2 or merged_in_clusters:
+        assert len(kernels) == 1 and "combine" not in kernels[0], kernels
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("splits", [1, 3, 17])
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_split_packs_one_row_cuda(splits, page_size):

@@ -482,7 +482,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     Strides const os = strides_of(out, false);
     p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
     auto const* kernel = find_kernel<flash::FwdParams>("fwd", tier, kernel_head_dim, q);
-    for (int64_t s = num_splits; s >= (automatic ? std::max<int64_t>(2, (num_splits + 2) / 3) : num_splits); --s) {
+    int64_t const fewest = automatic && num_splits > 1 ? std::max<int64_t>(2, (num_splits + 2) / 3) : num_splits;
+    for (int64_t s = num_splits; s >= fewest; --s) {
         p.num_splits = int(s);
         if (s == 1 || (kernel != nullptr && kernel->unsupported(p, hints) == nullptr)) {
             run(kernel, "fwd", tier, kernel_head_dim, q, p, hints);
