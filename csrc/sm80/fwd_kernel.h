@@ -63,13 +63,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
 
     extern __shared__ __align__(128) char smem[];
     int const tid = threadIdx.x;
-    // A decode kernel is launched after its prior kernel (launch_fwd): it waits for that grid before its first global
-    // access. Its split partials go to the combine, and the next step to the next kernel, which may then start (and
-    // wait) beside this grid.
-    if constexpr (kPackedRows) {
-        wait_for_prior_grid();
-        allow_dependent_launch();
-    }
+    // A decode kernel's split partials go to the combine, which may then start (and wait) beside this grid.
+    if constexpr (kPackedRows) { allow_dependent_launch(); }
 
     // Query tiles are handed out last-first: under a causal mask the last rows do the most work, so they start in the
     // first wave.

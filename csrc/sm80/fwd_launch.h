@@ -25,22 +25,15 @@ namespace flash::sm80 {
 // the cluster shape, and the scheduling policy that balances CTAs over the SMs (H100, RESULTS.md: the default
 // policy's decode steps were 1.07-1.25x slower than with a combine kernel).
 struct ClusterLaunch {
-    cudaLaunchAttribute attrs[3]{};
-    unsigned count = 2;
+    cudaLaunchAttribute attrs[2]{};
 
-    // after_prior: a launch of a kernel that waits for its prior grid (launch_after_prior).
-    explicit ClusterLaunch(int splits, bool after_prior = false) {
+    explicit ClusterLaunch(int splits) {
         attrs[0].id = cudaLaunchAttributeClusterDimension;
         attrs[0].val.clusterDim.x = 1;
         attrs[0].val.clusterDim.y = unsigned(splits);
         attrs[0].val.clusterDim.z = 1;
         attrs[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
         attrs[1].val.clusterSchedulingPolicyPreference = cudaClusterSchedulingPolicyLoadBalancing;
-        if (after_prior) {
-            attrs[2].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            attrs[2].val.programmaticStreamSerializationAllowed = 1;
-            count = 3;
-        }
     }
 };
 
@@ -59,13 +52,10 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
     unsigned const splits = params.num_splits > 1 ? unsigned(params.num_splits) : 1u;
     dim3 const grid(unsigned(num_blocks), splits);
     if constexpr (kPackedRows) {
-        // A decode step is short: its launch and CTA start-up hide behind the prior kernel's tail.
         if (splits > 1 && params.o_partial == nullptr) {  // a query tile's splits are one cluster
-            ClusterLaunch cluster{int(splits), runs_sm90_code<kKernel>(hints.device)};
-            return launch_with<kKernel>(cluster.attrs, cluster.count, grid, dim3(Traits::kNThreads), kSmem, stream,
-                                        params);
+            ClusterLaunch cluster{int(splits)};
+            return launch_with<kKernel>(cluster.attrs, 2, grid, dim3(Traits::kNThreads), kSmem, stream, params);
         }
-        return launch_after_prior<kKernel>(grid, dim3(Traits::kNThreads), kSmem, stream, hints.device, params);
     }
     kKernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
     return cudaGetLastError();
@@ -85,7 +75,7 @@ int active_clusters(int device, int splits, int threads, int smem) {
         config.blockDim = dim3(unsigned(threads));
         config.dynamicSmemBytes = size_t(smem);
         config.attrs = cluster.attrs;
-        config.numAttrs = cluster.count;
+        config.numAttrs = 2;
         int clusters = 0;
         bool const asked = runs_sm90_code<Kernel>(device) && allow_smem<Kernel>(smem, device) == cudaSuccess &&
                            cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
