@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "../common/epilogue.h"
+#include "../common/lse_merge.h"
 #include "../common/params.h"
 #include "../common/seqlen.h"
 #include "gemm.h"
@@ -211,26 +212,14 @@ __device__ __forceinline__ void merge_splits_in_cluster(TiledMma const& tiled_mm
                 x[s] = load_cluster_f32x4(o_addr + (row * kStride + col) * sizeof(float), s);
             }
         }
-        float top = -INFINITY;
-        CUTE_UNROLL
-        for (int s = 0; s < kMaxClusterSplits; ++s) { top = fmaxf(top, l[s]); }
-        float const base = top == -INFINITY ? 0.f : top;  // no split saw a key: weights 0, not NaN
-        float sum = 0.f;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        CUTE_UNROLL
-        for (int s = 0; s < kMaxClusterSplits; ++s) {
-            if (s < splits) {
-                float const w = __expf(l[s] - base);  // a NaN lse makes the row NaN
-                sum += w;
-                acc.x += w * x[s].x, acc.y += w * x[s].y, acc.z += w * x[s].z, acc.w += w * x[s].w;
-            }
-        }
-        float const inv = sum > 0.f ? 1.f / sum : 0.f;
+        LseMerge<4> merge;
+        merge.add(l, splits, [&](int s) { return cutlass::Array<float, 4>{x[s].x, x[s].y, x[s].z, x[s].w}; });
+        cutlass::Array<float, 4> const merged = merge.output();
         cutlass::AlignedArray<Element, 4> out;
-        out[0] = Element(acc.x * inv), out[1] = Element(acc.y * inv);
-        out[2] = Element(acc.z * inv), out[3] = Element(acc.w * inv);
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) { out[j] = Element(merged[j]); }
         *reinterpret_cast<cutlass::AlignedArray<Element, 4>*>(o + int64_t(row) * params.o_row_stride + col) = out;
-        if (col == 0) { lse_out[row] = logf(sum) + base; }
+        if (col == 0) { lse_out[row] = merge.lse(); }
     }
     // This CTA is done reading the others' shared memory: relaxed, since each remote load's value has been stored to
     // global memory above (the loop reconverges before the arrive), so no load is in flight; a release arrive would

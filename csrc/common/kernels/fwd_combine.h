@@ -1,11 +1,10 @@
 // Combine of split-KV partials (CombineParams), for every tier: each row (batch, row, head) is read by kHeadDim / 8
 // lanes of a warp, 8 values each per split (16 bytes of 16-bit partials, 32 of fp32 ones), so that a warp takes
-// 32 / (kHeadDim / 8) rows. Splits are merged online, kBatch at a time: every lane of a row loads the batch's lse
-// values (broadcast loads) together with its partials, then rescales what it has summed to the new running max, as
-// the forward's softmax does over key blocks. A decode step's combine is a few rows against many splits, so its time
-// is the chain of load latencies: one round per kBatch splits (a decode step's 16 or fewer: one round), with no
-// separate round for the max. It is launched to start while the forward that writes the partials still runs
-// (dependent_launch.h), so that its launch is not one more step of that chain.
+// 32 / (kHeadDim / 8) rows. Splits are merged online (LseMerge), kBatch at a time: every lane of a row loads the
+// batch's lse values (broadcast loads) together with its partials. A decode step's combine is a few rows against
+// many splits, so its time is the chain of load latencies: one round per kBatch splits (a decode step's 16 or fewer:
+// one round), with no separate round for the max. It is launched to start while the forward that writes the
+// partials still runs (dependent_launch.h), so that its launch is not one more step of that chain.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -14,6 +13,7 @@
 #include <cmath>
 
 #include "../dependent_launch.h"
+#include "../lse_merge.h"
 #include "../params.h"
 
 namespace flash {
@@ -62,10 +62,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
     auto const* partial = static_cast<Partial const*>(p.out_partial) + batch * p.op_batch_stride +
                           row * p.op_row_stride + head * p.op_head_stride + col;
     bool const active = col < p.d;
-    cutlass::Array<float, 8> acc;
-    acc.fill(0.f);
-    float top = -INFINITY;  // running max of the lse values (-inf: no split has seen a key yet)
-    float sum = 0.f;        // sum of exp(lse_s - top)
+    LseMerge<8> merge;
     for (int s0 = 0; s0 < p.splits; s0 += kBatch) {
         // All of the batch's loads are issued before any is used: one at a time, their latencies would add up.
         float l[kBatch];
@@ -76,37 +73,15 @@ __global__ void __launch_bounds__(kCombineWarps * 32) fwd_combine_kernel(__grid_
             l[i] = here ? lse[(s0 + i) * p.lp_split_stride] : -INFINITY;  // a missing split weighs 0
             if (active && here) { v[i] = load8(partial + (s0 + i) * p.op_split_stride); }
         }
-        float new_top = top;
-        CUTE_UNROLL
-        for (int i = 0; i < kBatch; ++i) { new_top = fmaxf(new_top, l[i]); }
-        float const base = new_top == -INFINITY ? 0.f : new_top;  // no split saw a key: weights 0, not NaN
-        float const shrink = __expf(top - base);                  // 0 on the first batch (top = -inf)
-        sum *= shrink;
-        CUTE_UNROLL
-        for (int j = 0; j < 8; ++j) { acc[j] *= shrink; }
-        CUTE_UNROLL
-        for (int i = 0; i < kBatch; ++i) {
-            float const w = __expf(l[i] - base);  // a NaN lse makes the row NaN
-            sum += w;
-            if (active && s0 + i < p.splits) {
-                auto const x = to_float(v[i]);
-                CUTE_UNROLL
-                for (int j = 0; j < 8; ++j) { acc[j] += w * x[j]; }
-            }
-        }
-        top = new_top;
+        merge.add(l, active ? p.splits - s0 : 0, [&](int i) { return to_float(v[i]); });
     }
-    float const base = top == -INFINITY ? 0.f : top;
-    float const inv = sum > 0.f ? 1.f / sum : 0.f;
     if (active) {
-        CUTE_UNROLL
-        for (int i = 0; i < 8; ++i) { acc[i] *= inv; }
         cutlass::NumericArrayConverter<Element, float, 8> to_element;
         Element* out = static_cast<Element*>(p.out) + batch * p.o_batch_stride + row * p.o_row_stride +
                        head * p.o_head_stride + col;
-        store8(out, to_element(acc));
+        store8(out, to_element(merge.output()));
     }
-    if (p.lse != nullptr && col == 0) { p.lse[(int64_t(batch) * p.h + head) * p.rows + row] = logf(sum) + base; }
+    if (p.lse != nullptr && col == 0) { p.lse[(int64_t(batch) * p.h + head) * p.rows + row] = merge.lse(); }
 }
 
 }  // namespace flash
