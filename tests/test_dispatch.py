@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_attention import _catalog, _dispatch
+from flash_attention import _catalog, _dispatch, _ops
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -238,6 +238,29 @@ def test_resolve_reads_the_override_on_every_call(fake_device, monkeypatch):
     assert _dispatch.resolve(device, "fwd", 128, torch.bfloat16, None) == (90, 128)
     monkeypatch.setenv("FLASH_ATTN_TIER", "sm80")
     assert _dispatch.resolve(device, "fwd", 128, torch.bfloat16, None) == (80, 128)
+
+
+class CudaLike:
+    """What _ops._autograd_route reads of q, as a bf16 CUDA tensor on device 0 would give it."""
+
+    def __init__(self, head_dim):
+        self.shape, self.dtype, self.device = (1, 1, 1, head_dim), torch.bfloat16, torch.device("cuda", 0)
+
+    def get_device(self):
+        return 0
+
+
+def test_autograd_route(fake_device, monkeypatch):
+    """A differentiable eager call's two kernels, (forward's head dim, tier, backward's head dim, tier): worked out
+    once per key, the override read on every call, and None for a backward the build lacks (its error comes at the
+    backward)."""
+    monkeypatch.setattr(_ops, "_autograd_routes", {})
+    for _ in range(2):
+        assert _ops._autograd_route(CudaLike(128), None) == (128, 90, 128, 80)
+    assert fake_device == [0, 0]  # the forward's and the backward's resolution, once
+    monkeypatch.setenv("FLASH_ATTN_TIER", "sm80")
+    assert _ops._autograd_route(CudaLike(128), None) == (128, 80, 128, 80)
+    assert _ops._autograd_route(CudaLike(64), None) == (64, 80, None, None)
 
 
 def test_resolve_errors_are_not_cached(fake_device, monkeypatch):
