@@ -105,8 +105,9 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     b, sq, h, d = q.shape
     _, sk, hk, _ = k.shape
     window = normalize_window(window_size, causal, sq, sk)
-    # Empty calls (b, sq or sk of 0) skip the decode route: the general path returns them without a kernel.
-    if 0 < sq <= 64 and b and sk and alibi_slopes is None and d % 8 == 0 and not _ops.needs_grad(q, k, v):
+    # Empty calls skip the decode route: the general path returns them without a kernel.
+    if sq <= 64 and not _ops.nothing_to_compute(q, k, None) and alibi_slopes is None and d % 8 == 0 \
+            and not _ops.needs_grad(q, k, v):
         route = _ops.decode_route(q, tier)
         if route is not None:
             return _decode_forward(q, k, v, softmax_scale, window, softcap, tier, route)

@@ -201,7 +201,20 @@ flash::KernelDescriptor<Params> const* find_kernel(char const* kind, int64_t tie
     return flash::KernelRegistry<Params>::find(flash::KernelKey{int(tier), kind, int(kernel_head_dim), dt, dt});
 }
 
-// Runs kernel (found by find_kernel for these arguments) on params, with the workspace its descriptor asks for.
+// Launches kernel on params, which it supports (its descriptor's unsupported said so), with the workspace the
+// descriptor asks for.
+template <class Params>
+void launch_supported(flash::KernelDescriptor<Params> const& kernel, at::Tensor const& q, Params const& params,
+                      flash::LaunchHints const& hints) {
+    cudaStream_t const stream = at::cuda::getCurrentCUDAStream().stream();
+    flash::Workspace const ws = kernel.workspace(params, hints);
+    at::Tensor workspace;
+    if (ws.bytes > 0) { workspace = at::empty({int64_t(ws.bytes)}, q.options().dtype(at::kByte)); }
+    cudaError_t const err = kernel.launch(params, hints, ws.bytes > 0 ? workspace.data_ptr() : nullptr, stream);
+    TORCH_CHECK(err == cudaSuccess, "flash_attention: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+// Runs kernel (found by find_kernel for these arguments) on params, or raises why it cannot.
 template <class Params>
 void run(flash::KernelDescriptor<Params> const* kernel, char const* kind, int64_t tier, int64_t kernel_head_dim,
          at::Tensor const& q, Params const& params, flash::LaunchHints const& hints) {
@@ -210,12 +223,7 @@ void run(flash::KernelDescriptor<Params> const* kernel, char const* kind, int64_
     char const* why = kernel->unsupported(params, hints);
     TORCH_CHECK(why == nullptr, "flash_attention: the sm", tier, " ", kind, " kernel for head dim ", kernel_head_dim,
                 " cannot run this call: ", why);
-    cudaStream_t const stream = at::cuda::getCurrentCUDAStream().stream();
-    flash::Workspace const ws = kernel->workspace(params, hints);
-    at::Tensor workspace;
-    if (ws.bytes > 0) { workspace = at::empty({int64_t(ws.bytes)}, q.options().dtype(at::kByte)); }
-    cudaError_t const err = kernel->launch(params, hints, ws.bytes > 0 ? workspace.data_ptr() : nullptr, stream);
-    TORCH_CHECK(err == cudaSuccess, "flash_attention: kernel launch failed: ", cudaGetErrorString(err));
+    launch_supported(*kernel, q, params, hints);
 }
 
 template <class Params>
@@ -485,8 +493,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     int64_t const fewest = automatic && num_splits > 1 ? std::max<int64_t>(2, (num_splits + 2) / 3) : num_splits;
     for (int64_t s = num_splits; s >= fewest; --s) {
         p.num_splits = int(s);
-        if (s == 1 || (kernel != nullptr && kernel->unsupported(p, hints) == nullptr)) {
+        if (s == 1) {
             run(kernel, "fwd", tier, kernel_head_dim, q, p, hints);
+            return returned();
+        }
+        if (kernel != nullptr && kernel->unsupported(p, hints) == nullptr) {
+            launch_supported(*kernel, q, p, hints);
             return returned();
         }
     }
