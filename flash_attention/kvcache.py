@@ -6,18 +6,18 @@ then runs over each sequence's used rows (cache_seqlens plus the new tokens, fro
 tensor's values on the host, so a decode step can be captured in a CUDA graph and traced by torch.compile.
 
 Without ALiBi (and cache_batch_idx on a paged cache), and unless prefill-shaped (more than 64 query rows) on a GPU
-with a faster tier of its own (Hopper) with cache_leftpad or pages not a multiple of 64 rows, the call is native
-(_ops.decode_attention; _ops.split_attention on the faster tier): CTAs read the cache in place (a paged one through
-its block table; from cache_leftpad on), each sequence's keys cut into num_splits chunks (0: enough to fill the GPU;
-each chunk masked as the whole call is) whose fp32 partials the combine kernel merges (on Hopper, up to 16 chunks
-merge inside a thread-block cluster instead). Decode-shaped calls run the SM80 tier's decode kernels, the query
-heads of a kv head packed as rows of one sequence (GQA packing, each packed row masked as its query row), so each
-K/V block is read once per kv head; prefill-shaped ones on Hopper run the SM90 forward, unpacked (a paged cache by
-TMA boxes from its pages). Otherwise, and
-under torch.compile, it is composed: pages or the entries that cache_batch_idx selects are gathered into a
-contiguous copy, and where exact (one query row, or no mask, and no window or ALiBi) the query heads are packed and
-the chunks attended to as sequences of their own in one varlen call, whose outputs flash_attn_combine merges by their
-lse (rounded to the input dtype before the merge). Not yet native: ALiBi.
+with a faster tier of its own (Hopper) with cache_leftpad, the call is native (_ops.decode_attention;
+_ops.split_attention on the faster tier): CTAs read the cache in place (a paged one through its block table; from
+cache_leftpad on), each sequence's keys cut into num_splits chunks (0: enough to fill the GPU; each chunk masked as the
+whole call is) whose fp32 partials the combine kernel merges (on Hopper, up to 16 chunks merge inside a thread-block
+cluster instead). Decode-shaped calls run the SM80 tier's decode kernels, the query heads of a kv head packed as rows
+of one sequence (GQA packing, each packed row masked as its query row), so each K/V block is read once per kv head;
+prefill-shaped ones on Hopper run the SM90 forward, unpacked (a paged cache by TMA boxes from its pages, or, for pages
+of a size it does not read, from a contiguous copy that the pages are gathered into first). Otherwise, and under
+torch.compile, it is composed: pages or the entries that cache_batch_idx selects are gathered into a contiguous copy,
+and where exact (one query row, or no mask, and no window or ALiBi) the query heads are packed and the chunks attended
+to as sequences of their own in one varlen call, whose outputs flash_attn_combine merges by their lse (rounded to the
+input dtype before the merge). Not yet native: ALiBi.
 """
 
 import functools
@@ -247,13 +247,20 @@ def flash_attn_with_kvcache(
         causal = False  # one query row sees every used key under a bottom-right causal mask
     # Prefill-shaped calls (more than 64 query rows per head) on a GPU with a faster tier than the split kernels'
     # (Hopper) go to that tier's forward: natively and unpacked where it writes the partials itself (a contiguous
-    # cache or pages of a multiple of 64 rows, without cache_leftpad: _ops.split_forward_tier; its query tiles fill
-    # without packing, which would copy q and out), else composed, its speed outweighing the gather of a paged cache.
+    # cache or pages of a size it reads, without cache_leftpad: _ops.split_forward_tier; its query tiles fill without
+    # packing, which would copy q and out), else composed.
     route = _ops.decode_route(q, tier) if alibi_slopes is None and (block_table is None or cache_batch_idx is None) \
         and d % 8 == 0 and not torch.compiler.is_compiling() else None
     can_split = route is not None
-    faster_tier = can_split and sq > 64 \
-        and _ops.split_forward_tier(q, k_cache, block_table, cache_leftpad, 1, tier) != _ops.SPLIT_TIER
+    faster_tier = gather = False
+    if can_split and sq > 64:
+        faster_tier = _ops.split_forward_tier(q, k_cache, block_table, cache_leftpad, 1, tier) != _ops.SPLIT_TIER
+        # Pages the faster tier does not read (of a size no multiple of its page_multiple) are gathered into a
+        # contiguous copy for it: that costs less than the composed call (H100, 2026-11-26, pages of 16, sq 512-4096
+        # against 4096 keys: the gather 17-57 us, the composed call 64-107 us over the contiguous one).
+        gather = not faster_tier and block_table is not None \
+            and _ops.split_forward_tier(q, k_cache, None, cache_leftpad, 1, tier) != _ops.SPLIT_TIER
+        faster_tier = faster_tier or gather
     native = can_split and (sq <= 64 or faster_tier or _ops.split_tier_is_default(q, tier))
     pack = group > 1 and (exact or native) and not faster_tier
     # A native call's one query row is packed by the binding (as a view) and comes back unpacked.
@@ -265,16 +272,16 @@ def flash_attn_with_kvcache(
     if repack:
         q = interface.pack_gqa(q, hk)
     if native:
-        # No query copies or split metadata; a paged cache is read in place, not gathered.
+        # No query copies or split metadata; a paged cache is read in place unless gathered for the faster tier.
         scale, _, _, cap, _ = interface._scalar_options(0.0, softmax_scale, False, (-1, -1), softcap, False)
         scale = d ** -0.5 if scale is None else scale
         window = interface.normalize_window(window_size, causal, sq, cache_len)
         used = (cache_seqlens + s_new if s_new else cache_seqlens).contiguous()
-        if block_table is not None:
+        if block_table is not None and not gather:
             keys, values, table = k_cache, v_cache, block_table.contiguous()
         else:
-            keys, values, table = (_cache_rows(k_cache, None, cache_batch_idx, b),
-                                   _cache_rows(v_cache, None, cache_batch_idx, b), None)
+            keys, values, table = (_cache_rows(k_cache, block_table, cache_batch_idx, b),
+                                   _cache_rows(v_cache, block_table, cache_batch_idx, b), None)
         splits = _ops.split_count(num_splits, b, heads, rows, cache_len, d, route.sm_count)
         leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
         # Other than on the faster tier, the forward is SPLIT_TIER's, whose kernels the route holds.

@@ -158,6 +158,9 @@ CUDA_CASES = [
     ((3, 0, True, (-1, -1), None, False, False, None), dict(d=64, b=1, h=16, hk=1, cache_len=131072)),
     ((2, 1, True, (-1, -1), None, False, False, 3), dict(d=72, h=6, hk=2, cache_len=99, softcap=20.0)),
     ((1, 1, False, (-1, -1), (40, True), False, False, None), dict(d=40, h=8, hk=2, cache_len=777)),
+    # Prefill-shaped against pages of 16 and 3: on Hopper gathered into a contiguous copy for the SM90 forward.
+    ((100, 4, True, (-1, -1), None, False, False, 16), dict(d=128, h=8, hk=2, cache_len=512)),
+    ((80, 0, False, (-1, -1), None, False, False, 3), dict(d=64, cache_len=300, softcap=15.0)),
 ]
 
 
@@ -687,6 +690,42 @@ def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, fw
         assert split_calls[0] == (2, sq * 4, 2, 64)  # GQA-packed under the causal mask
     elif native:
         assert split_calls[0] == (2, sq, 8, 64)  # a prefill on the SM90 forward: not packed
+
+
+@pytest.mark.parametrize("page_size, leftpad, gathered", [(16, False, True), (3, False, True), (64, False, False),
+                                                        (16, True, False)])
+def test_small_pages_gathered_for_the_faster_tier(stub_kernel, monkeypatch, page_size, leftpad, gathered):
+    """A prefill-shaped call against pages that the faster tier (Hopper's SM90 forward) does not read, without
+    cache_leftpad, runs that tier natively on a contiguous copy of the sequences' pages (no table); pages it reads go
+    to it with the table, and a left-padded call stays composed."""
+    from flash_attention import _ops
+    calls = []
+
+    def fake_split(q, k, v, used, table, *args):
+        calls.append((k, v, table))
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132))
+    monkeypatch.setattr(_ops, "split_tier_is_default", lambda q, tier: False)
+    monkeypatch.setattr(_ops, "split_forward_tier", lambda q, k, table, leftpad, packed, tier:
+                        "sm80" if leftpad is not None or (table is not None and k.shape[1] % 64) else "sm90")
+    monkeypatch.setattr(_ops, "split_attention", fake_split)
+    b, sq, hk, d, cache_len = 2, 128, 2, 64, 192
+    q = torch.randn(b, sq, 8, d, dtype=bf16)
+    pool_k, table = paged(torch.randn(b, cache_len, hk, d, dtype=bf16), page_size, b)
+    pool_v = torch.randn_like(pool_k)
+    pads = torch.tensor([0, 5], dtype=torch.int32) if leftpad else None
+    flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=cache_len, cache_leftpad=pads, block_table=table,
+                            causal=True)
+    if leftpad:
+        assert not calls and len(stub_kernel) == 1  # composed: one varlen call
+        return
+    (k, v, passed_table), = calls
+    if gathered:
+        assert passed_table is None and k.shape == (b, cache_len, hk, d)
+        assert torch.equal(k, unpaged(pool_k, table)) and torch.equal(v, unpaged(pool_v, table))
+    else:
+        assert k is pool_k and v is pool_v and torch.equal(passed_table, table)
 
 
 @pytest.mark.cuda
