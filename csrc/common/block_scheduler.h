@@ -21,9 +21,9 @@ inline int64_t tile_count(int rows, int b, int block, bool varlen) {
     return varlen ? (int64_t(rows) + int64_t(b) * (block - 1)) / block : int64_t(b) * ((rows + block - 1) / block);
 }
 
-// Host: decode_tile's section, the largest power of two of (batch, head) pairs at most `fit` (as many as keep the
-// operands they share in L2) and at most `pairs`.
-inline int l2_section(int64_t fit, int64_t pairs) {
+// Host: decode_tile's section, the largest power of two of (batch, head) pairs at most `fit` (the launches size it
+// by what the pairs share in L2, or by what one wave holds) and at most `pairs`.
+inline int section_of(int64_t fit, int64_t pairs) {
     int section = 1;
     while (2 * int64_t(section) <= std::min(fit, pairs)) { section *= 2; }
     return section;

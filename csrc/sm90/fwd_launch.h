@@ -96,7 +96,7 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
     } else if (params.cu_seqlens_q == nullptr) {
         // K and V of one kv head, shared by params.h_per_hk consecutive query heads.
         int64_t const kv_bytes = 2 * int64_t(params.sk) * params.d * int64_t(sizeof(Element));
-        args.section = l2_section(int64_t(hints.l2_bytes) * params.h_per_hk / std::max<int64_t>(kv_bytes, 1),
+        args.section = section_of(int64_t(hints.l2_bytes) * params.h_per_hk / std::max<int64_t>(kv_bytes, 1),
                                   int64_t(params.b) * params.h);
     }
     if (grid == 0) { return cudaSuccess; }
