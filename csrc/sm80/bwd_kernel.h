@@ -51,7 +51,8 @@ struct DqOrder {
 };
 
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdParams const params) {
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdParams const params,
+                                                                    int section) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
@@ -63,10 +64,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     extern __shared__ __align__(128) char smem[];
     int const tid = threadIdx.x;
     // Under a causal mask the first key blocks see the most query tiles, so ascending order starts the longest first;
-    // the deterministic dQ order hands them out last-first instead (launch order = accumulation order).
+    // the deterministic dQ order hands them out last-first instead (launch order = accumulation order). `section`:
+    // decode_tile's (batch, kv head) pairs taken together (launch_bwd).
     bool const reverse = params.deterministic && params.window_right >= 0;
-    TileCoord const blk =
-        decode_tile<kBlockN>(blockIdx.x, params.cu_seqlens_k, params.seqused_k, params.sk, params.b, params.hk, reverse);
+    TileCoord const blk = decode_tile<kBlockN>(blockIdx.x, params.cu_seqlens_k, params.seqused_k, params.sk, params.b,
+                                               params.hk, reverse, section);
     if (!blk.valid) { return; }
     SeqlenInfo const seq(params, blk.batch);
     int const sq = seq.q.len, sk = seq.k.len, d = params.d;
