@@ -29,6 +29,19 @@ inline int section_of(int64_t fit, int64_t pairs) {
     return section;
 }
 
+// Host: the section of a deterministic backward, whose dQ takes the key blocks of each (batch, kv head) pair one after
+// another, in launch order. Pair after pair, a wave's CTAs of one pair wait on each other; in sections of as many
+// pairs as one wave holds whole (one CTA per SM), block by block, they do not: on an H100 (2026-11-26) the SM90
+// backward's deterministic mode went from 0.85x to 0.90x of the default without a mask (2k: d 64 1.20x, d 128 1.07x,
+// d 256 1.14x faster), the SM80 tier's d 64 2k 1.07x. Where the causal order is reversed, sections lost (SM90, d 256
+// causal 16k in sections of 16 pairs: 0.32x of the default, 0.73x pair by pair), so those, varlen calls and sequences
+// whose blocks fill a wave keep the pair-major order (section 1).
+inline int deterministic_section(BwdParams const& params, int block_n, int num_sms) {
+    if (!params.deterministic || params.window_right >= 0 || params.cu_seqlens_q != nullptr) { return 1; }
+    int64_t const blocks_per_pair = std::max<int64_t>((params.sk + block_n - 1) / block_n, 1);
+    return section_of(num_sms / blocks_per_pair, int64_t(params.b) * params.hk);
+}
+
 // Tile idx of blocks of kBlock rows (queries in the forward, keys in the backward), `reverse` handing each
 // sequence's blocks out last-first. Batched, the (batch, head) pairs are taken in sections of `section` pairs (the
 // last one may be smaller), and a section's tiles go block by block, its pairs fastest: with `reverse` and causal

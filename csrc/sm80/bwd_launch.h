@@ -4,7 +4,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <type_traits>
@@ -40,15 +39,7 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
     if (cudaError_t err = allow_smem<&bwd_kernel<Traits>>(Traits::kSmemBytes, hints.device); err != cudaSuccess) {
         return err;
     }
-    // Deterministic, each query tile's dQ takes the key blocks of its (batch, kv head) pair one after another, in
-    // launch order: launched pair after pair, a wave's CTAs of one pair wait on each other. As in the SM90 tier
-    // (sm90/bwd_launch.h), calls without a causal mask (whose deterministic order is reversed) take the pairs in
-    // sections of as many as one wave holds whole (one CTA per SM: the largest tiles are chosen).
-    int section = 1;
-    if (params.deterministic && params.window_right < 0 && !varlen) {
-        int64_t const blocks_per_pair = std::max<int64_t>((params.sk + Traits::kBlockN - 1) / Traits::kBlockN, 1);
-        section = section_of(hints.num_sms / blocks_per_pair, int64_t(params.b) * params.hk);
-    }
+    int const section = deterministic_section(params, Traits::kBlockN, hints.num_sms);
     bwd_kernel<Traits><<<unsigned(main_blocks), Traits::kNThreads, Traits::kSmemBytes, stream>>>(params, section);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
 

@@ -88,16 +88,7 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
             int64_t(params.sq) * params.d * (2 * int64_t(sizeof(Element)) + int64_t(sizeof(float)));
         args.section = section_of(hints.l2_bytes / 2 / std::max<int64_t>(head_bytes, 1), int64_t(params.b) * params.hk);
     }
-    // Deterministic, each query block's dQ takes the key blocks of its (batch, kv head) pair one after another, in
-    // launch order. Pair after pair, the deterministic backward ran at 0.85x of the default without a mask; in sections
-    // of as many pairs as one wave holds whole, block by block, 0.90x (2k: d 64 1.20x, d 128 1.07x, d 256 1.14x
-    // faster; H100, 2026-11-26). Where the causal order is reversed, sections lost (d 256 causal 16k in sections of 16
-    // pairs: 0.32x of the default, 0.73x pair by pair), so those, and sequences whose blocks fill a wave, keep the
-    // pair-major order.
-    if (params.deterministic && params.window_right < 0 && !varlen) {
-        int64_t const blocks_per_pair = std::max<int64_t>((params.sk + kBlockN - 1) / kBlockN, 1);
-        args.section = section_of(hints.num_sms / blocks_per_pair, int64_t(params.b) * params.hk);
-    }
+    if (params.deterministic) { args.section = deterministic_section(params, kBlockN, hints.num_sms); }
     constexpr int kSmem = Traits::kSmemBytes;
     if (cudaError_t err = allow_smem<&bwd_kernel<Traits>>(kSmem, hints.device); err != cudaSuccess) { return err; }
     if constexpr (Traits::kKeyPair) {
