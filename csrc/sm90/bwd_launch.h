@@ -77,18 +77,19 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
             typename Traits::SmemLayoutKHalf{}, Shape<Int<kBlockN>, Int<Traits::kPeerKCols>>{});
     }
 
-    // Causal key blocks differ in length: longest first across sections of (batch, kv head) pairs, so that the last
-    // CTAs to start are the shortest, each section as many pairs as fit in half the L2 with a query head's Q, dO and
-    // fp32 dQ accumulator (a CTA walks its group's heads one after another). Sized by Q and dO in all of it, the
-    // d 64 2k section (64 pairs) read 2.4x the non-causal call's bytes from DRAM (ncu: L2 hits 60% against 90%) and
-    // ran 8% slower; counting every head of a GQA group, that shape's section (1 pair) ran 6.5% slower than 4
-    // (H100, 2026-11-26).
-    if (params.window_right >= 0 && !params.deterministic && !varlen) {
+    // Deterministic calls take deterministic_section's order. Otherwise causal key blocks differ in length: longest
+    // first across sections of (batch, kv head) pairs, so that the last CTAs to start are the shortest, each section
+    // as many pairs as fit in half the L2 with a query head's Q, dO and fp32 dQ accumulator (a CTA walks its group's
+    // heads one after another). Sized by Q and dO in all of it, the d 64 2k section (64 pairs) read 2.4x the
+    // non-causal call's bytes from DRAM (ncu: L2 hits 60% against 90%) and ran 8% slower; counting every head of a
+    // GQA group, that shape's section (1 pair) ran 6.5% slower than 4 (H100, 2026-11-26).
+    if (params.deterministic) {
+        args.section = deterministic_section(params, kBlockN, hints.num_sms);
+    } else if (params.window_right >= 0 && !varlen) {
         int64_t const head_bytes =
             int64_t(params.sq) * params.d * (2 * int64_t(sizeof(Element)) + int64_t(sizeof(float)));
         args.section = section_of(hints.l2_bytes / 2 / std::max<int64_t>(head_bytes, 1), int64_t(params.b) * params.hk);
     }
-    if (params.deterministic) { args.section = deterministic_section(params, kBlockN, hints.num_sms); }
     constexpr int kSmem = Traits::kSmemBytes;
     if (cudaError_t err = allow_smem<&bwd_kernel<Traits>>(kSmem, hints.device); err != cudaSuccess) { return err; }
     if constexpr (Traits::kKeyPair) {
