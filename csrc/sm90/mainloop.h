@@ -171,7 +171,7 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
                                         int ctid, PipelineState<Traits::kStages>& state, Turns const& turns,
                                         AccO& acc_o, Softmax& softmax) {
     using Element = typename Traits::Element;
-    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
     constexpr int kStages = Traits::kStages;
     using Range = BlockRange<kBlockM, kBlockN>;
 
