@@ -146,7 +146,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         // Loads key block i (in visited order) of K or V into its stage. Only the first block visited (the last key
         // block) can lack rows. A paged cache is read row by row from its pages.
         auto load_block = [&](auto const& tXgX, auto& tXsX, int i, auto check_rows, auto is_v) {
-            constexpr bool kCheckRows = decltype(check_rows)::value;
             int const n_block = n_block_max - 1 - i;
             int const stage = i % kStages;
             if constexpr (kPaged) {
@@ -166,8 +165,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 load_rows<Traits::kThreadsPerRow>(gmem_copy, tXgX(_, _, _, 0), tXsX(_, _, _, stage), tKVcKV, row_ptr,
                                                   pool, d);
             } else {
-                load_tile<kCheckRows>(gmem_copy, tXgX(_, _, _, n_block), tXsX(_, _, _, stage), tKVcKV,
-                                      sk - n_block * kBlockN, d);
+                load_tile<decltype(check_rows)::value>(gmem_copy, tXgX(_, _, _, n_block), tXsX(_, _, _, stage),
+                                                       tKVcKV, sk - n_block * kBlockN, d);
             }
         };
         // One commit group per key block; past the last block the group is empty, which keeps the wait counts
