@@ -311,6 +311,24 @@ def test_large_problems(dtype, d, b, s, h, hk, causal):
     assert_grads_correct(q, k, v, dout, None, *runs, causal=causal)
 
 
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize(
+    "b, sq, sk, h, hk",
+    [(1, 1000, 300, 8, 2), (1, 1024, 8960, 2, 2), (2, 515, 333, 6, 3)],
+    ids=["gqa-few-tiles", "past-one-wave", "b2-odd"],
+)
+def test_split_last_wave(d, b, sq, sk, h, hk):
+    """Shapes whose last wave of key tiles the SM90 backward splits into parts that sum dK and dV in the workspace
+    (WaveTail: few tiles with many steps each, or 140 tiles on 132 SMs): two runs, each on a workspace that the
+    allocator poisoned with NaN, checked against the reference, with the lse gradient."""
+    require_kernel(d, bf16, "bwd")
+    q = make_tensor("contiguous", b, sq, h, d, bf16)
+    k, v = (make_tensor("contiguous", b, sk, hk, d, bf16) for _ in range(2))
+    dout, dlse = cotangents(q, k, with_lse=True)
+    runs = [grads_of(q, k, v, dout, dlse)[1] for _ in range(2)]
+    assert_grads_correct(q, k, v, dout, dlse, *runs)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_fullgraph(backend):
     """A model layer compiled in one graph (fullgraph=True fails on a graph break) with the backward op in its

@@ -99,12 +99,16 @@ struct BwdParams : AttnParams {
     // batch * dq_accum_batch_stride + head * dq_accum_head_stride (+ the sequence's padded start when varlen, see
     // dq_accum_row), a multiple of kBwdRowAlign, so that every tile height divides it. dpsum: like lse, or with
     // row statistics per accumulator row (BwdWorkspace), like dq_accum's rows, as is lse2.
-    // dq_semaphore: zeroed ints, one per 16 rows of dq_accum (deterministic only). Both are zeroed by the
-    // preprocess kernel: dq_zero_words 16-byte words from dq_accum on.
+    // dq_semaphore: zeroed ints, one per 16 rows of dq_accum (deterministic only). dkv_sums and dkv_parts_done
+    // (the SM90 tier's split last-wave tiles, see WaveTail): per split tile, fp32 dK and dV sums and the count of its
+    // parts that have added into them. All are zeroed by the preprocess kernel: dq_zero_words 16-byte words from
+    // dq_accum on.
     float* __restrict__ dq_accum;
     float* __restrict__ dpsum;  // D = rowsum(dO * O) - dlse; 0 on the padding rows
     float* __restrict__ lse2;   // with row statistics per accumulator row: lse * log2(e), +inf where P must be 0
     int* __restrict__ dq_semaphore;
+    float* __restrict__ dkv_sums;
+    int* __restrict__ dkv_parts_done;
     int64_t dq_accum_batch_stride, dq_accum_head_stride;  // in rows
     bool deterministic;
     int64_t dq_zero_words;

@@ -78,6 +78,51 @@ __device__ __forceinline__ void store_key_gradients_tma(BwdKernelParams<Traits> 
     }
 }
 
+// Whether pred holds in any of the kConsumerThreads consumer threads: their barrier (sync_consumers'), reducing.
+template <int kConsumerThreads>
+__device__ __forceinline__ bool consumers_any(bool pred) {
+    constexpr uint32_t kId =
+        cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + uint32_t(BwdBarrierId::kConsumers);
+    uint32_t any;
+    asm volatile(
+        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
+        : "=r"(any)
+        : "r"(uint32_t(pred)), "n"(kId), "n"(kConsumerThreads)
+        : "memory");
+    return any != 0;
+}
+
+// WaveTail: adds this part's dK and dV into split tile `tile`'s sums. The tile's last part to finish reads the sums
+// back into acc_dk and acc_dv (true); the other parts are done (false).
+template <class Traits, class AccKV>
+__device__ __forceinline__ bool sum_tile_parts(BwdParams const& params, int tile, int parts, AccKV& acc_dk,
+                                               AccKV& acc_dv, int ctid) {
+    constexpr int kThreads = Traits::kConsumerThreads;
+    constexpr int kTileFloats = decltype(size(acc_dk))::value * kThreads;
+    float* const sums = params.dkv_sums + int64_t(tile) * 2 * kTileFloats;
+    add_dq<kThreads>(sums, acc_dk, ctid);
+    add_dq<kThreads>(sums + kTileFloats, acc_dv, ctid);
+    __threadfence();  // the additions, before the count that tells the last part to read them
+    sync_consumers<kThreads>();
+    bool last = false;
+    if (ctid == 0) { last = atomicAdd(params.dkv_parts_done + tile, 1) == parts - 1; }
+    if (!consumers_any<kThreads>(last)) { return false; }
+    __threadfence();
+    auto read = [&](AccKV& acc, float const* run) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc); i += 4) {
+            float4 const v = __ldcg(reinterpret_cast<float4 const*>(run + dq_workspace_index<kThreads>(i, ctid)));
+            acc(i) = v.x;
+            acc(i + 1) = v.y;
+            acc(i + 2) = v.z;
+            acc(i + 3) = v.w;
+        }
+    };
+    read(acc_dk, sums);
+    read(acc_dv, sums + kTileFloats);
+    return true;
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdKernelParams<Traits> const args) {
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -95,7 +140,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     // before it, the tile's coordinates were spilled and reloaded in the consumers' loop (d 128).
     constexpr int kTileKeys = Traits::kKeyPair ? 2 * kBlockN : kBlockN;
     bool const reverse = params.deterministic && params.window_right >= 0;
+    // WaveTail: block indices from tail.first on are the parts of split tiles, a tile's parts adjacent.
     auto work_at = [&](int block_index) {
+        int part = 0, parts = 1;
+        if (block_index >= args.tail.first) {
+            int const i = block_index - args.tail.first;
+            parts = args.tail.parts;
+            part = i % parts;
+            block_index = args.tail.first + i / parts;
+        }
         TileCoord blk = decode_tile<kTileKeys>(Traits::kKeyPair ? block_index / 2 : block_index, params.cu_seqlens_k,
                                                params.seqused_k, params.sk, params.b, params.hk, reverse,
                                                args.section);
@@ -103,7 +156,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         AttnWindow const window = seq.window(params);
         Interval const m_range = BlockRange<kBlockM, kTileKeys>::m_blocks(window, blk.block);
         if constexpr (Traits::kKeyPair) { blk.block = 2 * blk.block + int(cute::block_rank_in_cluster()); }
-        return KeyBlockWork{blk, seq, window, m_range};
+        return KeyBlockWork{blk, seq, window, m_range, part, parts};
     };
     if (!work_at(blockIdx.x).blk.valid) { return; }
 
@@ -145,6 +198,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     clear(acc_dk);
     clear(acc_dv);
     if (work.iterations(params) > 0) { consume_bwd<Traits>(params, shared, work, ctid, acc_dk, acc_dv); }
+    if (int const index = block_index_reread(); index >= args.tail.first) {
+        int const tile = (index - args.tail.first) / args.tail.parts;
+        if (!sum_tile_parts<Traits>(params, tile, args.tail.parts, acc_dk, acc_dv, ctid)) { return; }
+    }
 
     // A key block that no query sees stores zeros.
     if (params.cu_seqlens_k == nullptr && params.seqused_k == nullptr) {

@@ -22,15 +22,40 @@
 
 namespace flash::sm90 {
 
+// Host: the WaveTail of a call's tiles of block_n keys and block_m-row query blocks (one CTA per SM: the kernels'
+// shared memory and registers allow no second). Split are only
+// calls without a mask whose tiles are all alike (not varlen, no seqused) outside deterministic mode, whose dQ order
+// is one CTA per tile. The parts: the count that minimises the tail's waves times a part's steps plus its fixed cost
+// (K and V arriving, the epilogue and the sums: about two steps).
+inline WaveTail wave_tail(BwdParams const& params, int num_sms, int block_m, int block_n) {
+    bool const alike = !params.deterministic && params.window_left < 0 && params.window_right < 0 &&
+                       params.cu_seqlens_q == nullptr && params.seqused_q == nullptr && params.seqused_k == nullptr;
+    int64_t const tiles = int64_t(params.b) * params.hk * ((params.sk + block_n - 1) / block_n);
+    int64_t const last_wave = num_sms > 0 ? tiles % num_sms : 0;
+    int64_t const steps = int64_t((params.sq + block_m - 1) / block_m) * params.h_per_hk;
+    if (!alike || last_wave == 0 || steps < 2) { return {}; }
+    constexpr int64_t kFixedSteps = 2, kMaxParts = 16;
+    int64_t best_parts = 1, best_cost = steps + kFixedSteps;
+    for (int64_t parts = 2; parts <= std::min(kMaxParts, steps); ++parts) {
+        int64_t const cost = (last_wave * parts + num_sms - 1) / num_sms * ((steps + parts - 1) / parts + kFixedSteps);
+        if (cost < best_cost) {
+            best_parts = parts;
+            best_cost = cost;
+        }
+    }
+    return best_parts == 1 ? WaveTail{} : WaveTail{int(tiles - last_wave), int(best_parts)};
+}
+
 template <class Traits>
-cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
+cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTail tail, cudaStream_t stream) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     bool const varlen = params.cu_seqlens_q != nullptr;
     int const entries = tensor_batches(params);
     // kKeyPair: clusters of two CTAs, one per key block of a 2 * kBlockN tile.
     constexpr int kPairSize = Traits::kKeyPair ? 2 : 1;
-    int64_t const main_blocks = tile_count(params.sk, params.b, kPairSize * kBlockN, varlen) * params.hk * kPairSize;
+    int64_t const tiles = tile_count(params.sk, params.b, kPairSize * kBlockN, varlen) * params.hk * kPairSize;
+    int64_t const main_blocks = tail.parts > 1 ? tail.first + (tiles - tail.first) * tail.parts : tiles;
     int64_t const convert_blocks = tile_count(params.sq, params.b, kBlockM, varlen) * params.h;
     if (main_blocks > INT_MAX || convert_blocks > INT_MAX) {
         return cudaErrorInvalidConfiguration;
@@ -71,6 +96,7 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, cudaSt
                        typename Traits::SmemLayoutK{}),
         tma_store_rows(params.dv, params.dv_row_stride, params.dv_head_stride, params.dv_batch_stride,
                        typename Traits::SmemLayoutV{})};
+    args.tail = tail;
     if constexpr (Traits::kKeyPair) {
         args.tma_k_half = tma_rows(
             gmem(params.k, params.sk, params.hk, params.k_row_stride, params.k_head_stride, params.k_batch_stride),
@@ -128,29 +154,57 @@ constexpr BwdTile kBwdTile = kHeadDim > 128
     ? BwdTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = 1}
     : BwdTile{.block_m = kHeadDim == 64 && !kSoftcap ? 128 : 64, .block_n = 128, .q_stages = 2, .do_stages = 2};
 
+// The call's WaveTail. Key pairs (head dim 256, clusters of two) are not split.
+template <int kHeadDim>
+WaveTail bwd_wave_tail(BwdParams const& params, LaunchHints const& hints) {
+    if constexpr (kHeadDim > 128) {
+        return {};
+    } else {
+        constexpr BwdTile kTile = kBwdTile<kHeadDim, false>, kSoftcapTile = kBwdTile<kHeadDim, true>;
+        BwdTile const& tile = params.has_softcap ? kSoftcapTile : kTile;
+        return wave_tail(params, hints.num_sms, tile.block_m, tile.block_n);
+    }
+}
+
+// The workspace, with the sums of the split tiles' dK and dV (the tile's keys by the head dim, twice).
+template <int kHeadDim>
+BwdWorkspace bwd_workspace_layout(BwdParams const& params, WaveTail const& tail) {
+    constexpr int kBlockN = kBwdTile<kHeadDim, false>.block_n;
+    static_assert(kBwdTile<kHeadDim, true>.block_n == kBlockN);
+    int64_t const split_tiles =
+        tail.parts > 1 ? int64_t(params.b) * params.hk * ((params.sk + kBlockN - 1) / kBlockN) - tail.first : 0;
+    return BwdWorkspace(params, kHeadDim, true, split_tiles, 2 * int64_t(kBlockN) * kHeadDim);
+}
+
+template <int kHeadDim>
+Workspace bwd_workspace_sm90(BwdParams const& params, LaunchHints const& hints) {
+    return bwd_workspace_layout<kHeadDim>(params, bwd_wave_tail<kHeadDim>(params, hints)).sizes();
+}
+
 template <int kHeadDim, typename Element>
 cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "no SM90 backward tile for this head dim");
-    BwdParams const bound = BwdWorkspace(params, kHeadDim, true).bind(params, workspace);
+    WaveTail const tail = bwd_wave_tail<kHeadDim>(params, hints);
+    BwdParams const bound = bwd_workspace_layout<kHeadDim>(params, tail).bind(params, workspace);
     if constexpr (kHeadDim > 128) {
         // Key pairs add dQ from registers in no fixed order: the deterministic mode keeps the lone key block.
         if (!params.deterministic) {
             constexpr BwdTile kPairTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = 1, .key_pair = true};
-            return launch_bwd<BwdTraits<kHeadDim, kPairTile, Element>>(bound, hints, stream);
+            return launch_bwd<BwdTraits<kHeadDim, kPairTile, Element>>(bound, hints, tail, stream);
         }
     }
     if constexpr (kBwdTile<kHeadDim, true>.block_m != kBwdTile<kHeadDim, false>.block_m) {
         if (params.has_softcap) {
-            return launch_bwd<BwdTraits<kHeadDim, kBwdTile<kHeadDim, true>, Element>>(bound, hints, stream);
+            return launch_bwd<BwdTraits<kHeadDim, kBwdTile<kHeadDim, true>, Element>>(bound, hints, tail, stream);
         }
     }
-    return launch_bwd<BwdTraits<kHeadDim, kBwdTile<kHeadDim, false>, Element>>(bound, hints, stream);
+    return launch_bwd<BwdTraits<kHeadDim, kBwdTile<kHeadDim, false>, Element>>(bound, hints, tail, stream);
 }
 
 template <int kHeadDim, typename Element, typename ElementOut>
 KernelDescriptor<BwdParams> bwd_descriptor() {
     static_assert(std::is_same_v<Element, ElementOut>, "the SM90 backward writes gradients in the input dtype");
-    return {&unsupported_head_dim<kHeadDim, BwdParams>, &bwd_workspace<kHeadDim, true>, &run_bwd<kHeadDim, Element>};
+    return {&unsupported_head_dim<kHeadDim, BwdParams>, &bwd_workspace_sm90<kHeadDim>, &run_bwd<kHeadDim, Element>};
 }
 
 }  // namespace flash::sm90

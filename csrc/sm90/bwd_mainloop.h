@@ -19,6 +19,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include <climits>
 #include <cmath>
 
 #include "../common/block_range.h"
@@ -36,6 +37,16 @@ namespace flash::sm90 {
 
 using namespace cute;
 
+// Without a mask each tile of keys is the same work, and a CTA fills an SM: a grid of T tiles runs in waves of one
+// CTA per SM, the last holding T mod SMs tiles while the other SMs idle (4096 tiles on 132 SMs: 31 full waves and 4
+// tiles, 3% of the kernel). The tiles from `first` on are split into `parts` CTAs each (adjacent block indices), which
+// take equal runs of the tile's (query head, query block) steps and add dK and dV into the workspace's fp32 sums
+// (BwdParams::dkv_sums); the tile's last part to finish stores them. parts == 1: no tile is split.
+struct WaveTail {
+    int first = INT_MAX;
+    int parts = 1;
+};
+
 template <class Traits>
 struct BwdKernelParams {
     BwdParams p;
@@ -47,22 +58,31 @@ struct BwdKernelParams {
     typename Traits::TmadV tma_dv;
     int section = 1;  // decode_tile's (batch, kv head) pairs taken together
     typename Traits::TmaKHalf tma_k_half{};  // Traits::kKeyPair: the other key block's K, this CTA's head-dim half
+    WaveTail tail{};
 };
 
 // The CTA's work: key block blk.block of kv head blk.head in sequence blk.batch, and the query blocks m_range that see
-// it (in every query head of the group).
+// it (in every query head of the group): all of its steps, or with WaveTail part `part` of `parts` of them.
 struct KeyBlockWork {
     TileCoord blk;
     SeqlenInfo seq;
     AttnWindow window;
     Interval m_range;
+    int part = 0, parts = 1;
 
-    __device__ __forceinline__ int iterations(BwdParams const& params) const {
+    __device__ __forceinline__ int tile_steps(BwdParams const& params) const {
         return (m_range.hi - m_range.lo) * params.h_per_hk;
+    }
+    __device__ __forceinline__ int first_step(BwdParams const& params) const {
+        return tile_steps(params) * part / parts;
+    }
+    __device__ __forceinline__ int iterations(BwdParams const& params) const {
+        return parts == 1 ? tile_steps(params) : tile_steps(params) * (part + 1) / parts - first_step(params);
     }
 };
 
-// Steps through the (query head, query block) pairs of a KeyBlockWork, blocks fastest, without divisions. With
+// Steps through the (query head, query block) pairs of a KeyBlockWork, blocks fastest, without divisions (but at a
+// WaveTail part's first step). With
 // kRotate, each head's blocks run from `first` round to the one before it: without a mask and outside deterministic
 // mode, key block n starts at query block lo + n mod (hi - lo), so that the CTAs of one head add into different dQ
 // tiles at a time (measured at head dims 64 and 128, +0.5%; at 256 it only adds spills, so that tile keeps lo first).
@@ -78,6 +98,12 @@ struct QueryBlockCursor {
             }
         }
         m_block = first;
+        if (work.parts > 1) {
+            int const n = hi - lo, step = work.first_step(params);
+            head += step / n;
+            m_block += step % n;
+            if (m_block >= hi) { m_block -= n; }
+        }
     }
 
     __device__ __forceinline__ void advance() {
