@@ -26,9 +26,9 @@ namespace flash::sm90 {
 // shared memory and registers allow no second). Split are only calls without a mask whose tiles are all alike (not
 // varlen, no seqused) outside deterministic mode, whose dQ order is one CTA per tile. The parts: the count that
 // minimises the tail's waves times a part's steps plus its fixed cost in steps (K and V arriving, the epilogue and
-// the sums), if that takes more than a quarter off the tail. Measured on an H100 (2026-11-27) against whole tiles: d 64
-// (4 tiles past 31 waves, 16 parts) +2..+4% at 2k-16k; d 128 (68 tiles past 15 waves, 3 parts) -0.3, -0.9, +0.6 and
-// +1.9% at 2k, 4k, 8k and 16k, where the parts' bytes (K, V and sums twice as large) cost more than at d 64.
+// the sums). Measured on an H100 (2026-11-27) against whole tiles: d 64 (4 tiles past 31 waves, 16 parts) +2..+4% at
+// 2k-16k; d 128 (68 tiles past 15 waves) +0.5% at 2k (3 parts) and +1.6% at 4k (5 parts) with the fixed cost at
+// d / 32 steps, where two steps chose 3 parts at 4k and lost 1-2%; the GQA shape (b 4, 4k, h 32, hk 8) +1.2%.
 inline WaveTail wave_tail(BwdParams const& params, int num_sms, int block_m, int block_n, int fixed_steps) {
     bool const alike = !params.deterministic && params.window_left < 0 && params.window_right < 0 &&
                        params.cu_seqlens_q == nullptr && params.seqused_q == nullptr && params.seqused_k == nullptr;
@@ -37,8 +37,7 @@ inline WaveTail wave_tail(BwdParams const& params, int num_sms, int block_m, int
     int64_t const steps = int64_t((params.sq + block_m - 1) / block_m) * params.h_per_hk;
     if (!alike || last_wave == 0 || steps < 2) { return {}; }
     constexpr int64_t kMaxParts = 16;
-    int64_t const whole = steps + fixed_steps;
-    int64_t best_parts = 1, best_cost = whole;
+    int64_t best_parts = 1, best_cost = steps + fixed_steps;
     for (int64_t parts = 2; parts <= std::min(kMaxParts, steps); ++parts) {
         int64_t const cost = (last_wave * parts + num_sms - 1) / num_sms * ((steps + parts - 1) / parts + fixed_steps);
         if (cost < best_cost) {
@@ -46,7 +45,7 @@ inline WaveTail wave_tail(BwdParams const& params, int num_sms, int block_m, int
             best_cost = cost;
         }
     }
-    return 4 * best_cost >= 3 * whole ? WaveTail{} : WaveTail{int(tiles - last_wave), int(best_parts)};
+    return best_parts == 1 ? WaveTail{} : WaveTail{int(tiles - last_wave), int(best_parts)};
 }
 
 template <class Traits>
