@@ -32,7 +32,7 @@ namespace flash::sm90 {
 inline WaveTail wave_tail(BwdParams const& params, int num_sms, int block_m, int block_n, int fixed_steps) {
     bool const alike = !params.deterministic && params.window_left < 0 && params.window_right < 0 &&
                        params.cu_seqlens_q == nullptr && params.seqused_q == nullptr && params.seqused_k == nullptr;
-    int64_t const tiles = int64_t(params.b) * params.hk * ((params.sk + block_n - 1) / block_n);
+    int64_t const tiles = tile_count(params.sk, params.b, block_n, false) * params.hk;
     int64_t const last_wave = num_sms > 0 ? tiles % num_sms : 0;
     int64_t const steps = int64_t((params.sq + block_m - 1) / block_m) * params.h_per_hk;
     if (!alike || last_wave == 0 || steps < 2) { return {}; }
@@ -45,7 +45,7 @@ inline WaveTail wave_tail(BwdParams const& params, int num_sms, int block_m, int
             best_cost = cost;
         }
     }
-    return best_parts == 1 ? WaveTail{} : WaveTail{int(tiles - last_wave), int(best_parts)};
+    return best_parts == 1 ? WaveTail{} : WaveTail{int(tiles - last_wave), int(best_parts), int(last_wave)};
 }
 
 template <class Traits>
@@ -57,7 +57,7 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
     // kKeyPair: clusters of two CTAs, one per key block of a 2 * kBlockN tile.
     constexpr int kPairSize = Traits::kKeyPair ? 2 : 1;
     int64_t const tiles = tile_count(params.sk, params.b, kPairSize * kBlockN, varlen) * params.hk * kPairSize;
-    int64_t const main_blocks = tail.parts > 1 ? tail.first + (tiles - tail.first) * tail.parts : tiles;
+    int64_t const main_blocks = tiles + int64_t(tail.tiles) * (tail.parts - 1);
     int64_t const convert_blocks = tile_count(params.sq, params.b, kBlockM, varlen) * params.h;
     if (main_blocks > INT_MAX || convert_blocks > INT_MAX) {
         return cudaErrorInvalidConfiguration;
@@ -174,9 +174,7 @@ template <int kHeadDim>
 BwdWorkspace bwd_workspace_layout(BwdParams const& params, WaveTail const& tail) {
     constexpr int kBlockN = kBwdTile<kHeadDim, false>.block_n;
     static_assert(kBwdTile<kHeadDim, true>.block_n == kBlockN);
-    int64_t const split_tiles =
-        tail.parts > 1 ? int64_t(params.b) * params.hk * ((params.sk + kBlockN - 1) / kBlockN) - tail.first : 0;
-    return BwdWorkspace(params, kHeadDim, true, split_tiles, 2 * int64_t(kBlockN) * kHeadDim);
+    return BwdWorkspace(params, kHeadDim, true, tail.tiles, 2 * int64_t(kBlockN) * kHeadDim);
 }
 
 template <int kHeadDim>

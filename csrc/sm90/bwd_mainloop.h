@@ -45,6 +45,7 @@ using namespace cute;
 struct WaveTail {
     int first = INT_MAX;
     int parts = 1;
+    int tiles = 0;  // split, from `first` on (the workspace's sums and the grid's extra CTAs)
 };
 
 template <class Traits>
