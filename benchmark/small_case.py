@@ -7,7 +7,8 @@
     compute-sanitizer --tool racecheck --kernel-name kns=fwd_kernel python3 benchmark/small_case.py --decode 64 128
 
 Sizes are small (the tools slow kernels down by orders of magnitude) but cover a partial query tile, a partial key
-block, GQA, a causal mask, the deterministic dQ order and (unmasked) the SM90 backward's tiles split into parts.
+block, GQA, a causal mask, the deterministic dQ order, (unmasked) the SM90 backward's tiles split into parts and its
+persistent CTAs (head dim 64) taking several tiles.
 
 --varlen runs flash_attn_varlen_func instead, on packed sequences that cover empty ones (no query, no key, neither),
 single rows, partial tiles, sq > sk and sq < sk, with and without seqused_q/seqused_k (and rows after the last
@@ -43,6 +44,13 @@ def batched_case(d, backward):
         k, v = (torch.randn(1, 150, 2, d, dtype=BF16, device="cuda", requires_grad=True) for _ in range(2))
         out = flash_attn_func(q, k, v)
         out.backward(torch.randn_like(out))
+        # More key tiles (70 x 2) than an H100/H200 has SMs, one step each: the SM90 backward's persistent CTAs
+        # (head dim 64) take more than one, in both K/V buffers.
+        for causal in (False, True):
+            q = torch.randn(1, 64, 4, d, dtype=BF16, device="cuda", requires_grad=True)
+            k, v = (torch.randn(1, 128 * 70, 2, d, dtype=BF16, device="cuda", requires_grad=True) for _ in range(2))
+            out = flash_attn_func(q, k, v, causal=causal)
+            out.backward(torch.randn_like(out))
     # Unmasked, with more query tiles (35 x 4) than an H100/H200 has SMs: the SM90 tier's persistent CTAs each take
     # more than one tile.
     q = torch.randn(1, 128 * 34 + 5, 4, d, dtype=BF16, device="cuda")

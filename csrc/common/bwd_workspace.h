@@ -16,7 +16,8 @@ namespace flash {
 
 // The workspace, one allocation: the fp32 dQ accumulator (rows x kernel head dim, zeroed), when deterministic one int
 // per 16 accumulator rows, for a tier that splits tiles of keys (the SM90 tier's WaveTail) fp32 dK and dV sums and a
-// count per split tile (all zeroed by the preprocess kernel, see zero_dq_workspace), then the row statistics: D
+// count per split tile, for a persistent kernel its tile counter (all zeroed by the preprocess kernel, see
+// zero_dq_workspace), then the row statistics: D
 // like lse or, per_accum_row, D and lse2 per accumulator row, so that a query tile's statistics are one aligned run
 // that a bulk copy can load (padding rows included).
 // Accumulator rows: batched, sq rounded up to kBwdRowAlign per (b, h); varlen, per head, total_q plus kBwdRowAlign
@@ -24,14 +25,14 @@ namespace flash {
 struct BwdWorkspace {
     int64_t rows_per_head;
     bool per_accum_row;
-    size_t accum_bytes, semaphore_bytes, split_sums_bytes, split_counts_bytes, dpsum_bytes, lse2_bytes;
+    size_t accum_bytes, semaphore_bytes, split_sums_bytes, split_counts_bytes, counter_bytes, dpsum_bytes, lse2_bytes;
 
     static constexpr size_t kAlign = 256;
     static size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
     // split_tiles tiles of keys whose dK and dV are summed over parts, split_tile_floats floats of sums each.
     BwdWorkspace(BwdParams const& p, int kernel_head_dim, bool stats_per_accum_row = false, int64_t split_tiles = 0,
-                 int64_t split_tile_floats = 0)
+                 int64_t split_tile_floats = 0, bool tile_counter = false)
         : per_accum_row(stats_per_accum_row) {
         bool const varlen = p.cu_seqlens_q != nullptr;
         auto round_up = [](int64_t x) { return (x + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign; };
@@ -41,12 +42,15 @@ struct BwdWorkspace {
         semaphore_bytes = p.deterministic ? aligned(size_t(rows / 16) * sizeof(int)) : 0;
         split_sums_bytes = aligned(size_t(split_tiles * split_tile_floats) * sizeof(float));
         split_counts_bytes = aligned(size_t(split_tiles) * sizeof(int));
+        counter_bytes = tile_counter ? aligned(sizeof(int)) : 0;
         size_t const stats_rows = per_accum_row ? size_t(rows) : size_t(tensor_batches(p)) * p.h * p.sq;
         dpsum_bytes = aligned(stats_rows * sizeof(float));
         lse2_bytes = per_accum_row ? dpsum_bytes : 0;
     }
 
-    size_t zeroed_bytes() const { return accum_bytes + semaphore_bytes + split_sums_bytes + split_counts_bytes; }
+    size_t zeroed_bytes() const {
+        return accum_bytes + semaphore_bytes + split_sums_bytes + split_counts_bytes + counter_bytes;
+    }
 
     Workspace sizes() const { return {zeroed_bytes() + dpsum_bytes + lse2_bytes}; }
 
@@ -58,6 +62,8 @@ struct BwdWorkspace {
         char* const split = base + accum_bytes + semaphore_bytes;
         params.dkv_sums = split_sums_bytes != 0 ? reinterpret_cast<float*>(split) : nullptr;
         params.dkv_parts_done = split_counts_bytes != 0 ? reinterpret_cast<int*>(split + split_sums_bytes) : nullptr;
+        params.tile_counter =
+            counter_bytes != 0 ? reinterpret_cast<int*>(split + split_sums_bytes + split_counts_bytes) : nullptr;
         params.dpsum = reinterpret_cast<float*>(base + zeroed_bytes());
         params.lse2 = per_accum_row ? params.dpsum + dpsum_bytes / sizeof(float) : nullptr;
         params.dq_accum_head_stride = rows_per_head;

@@ -101,14 +101,15 @@ struct BwdParams : AttnParams {
     // row statistics per accumulator row (BwdWorkspace), like dq_accum's rows, as is lse2.
     // dq_semaphore: zeroed ints, one per 16 rows of dq_accum (deterministic only). dkv_sums and dkv_parts_done
     // (the SM90 tier's split last-wave tiles, see WaveTail): per split tile, fp32 dK and dV sums and the count of its
-    // parts that have added into them. All are zeroed by the preprocess kernel: dq_zero_words 16-byte words from
-    // dq_accum on.
+    // parts that have added into them. tile_counter (the SM90 tier's persistent backward): block indices taken past
+    // the grid's own. All are zeroed by the preprocess kernel: dq_zero_words 16-byte words from dq_accum on.
     float* __restrict__ dq_accum;
     float* __restrict__ dpsum;  // D = rowsum(dO * O) - dlse; 0 on the padding rows
     float* __restrict__ lse2;   // with row statistics per accumulator row: lse * log2(e), +inf where P must be 0
     int* __restrict__ dq_semaphore;
     float* __restrict__ dkv_sums;
     int* __restrict__ dkv_parts_done;
+    int* __restrict__ tile_counter;
     int64_t dq_accum_batch_stride, dq_accum_head_stride;  // in rows
     bool deterministic;
     int64_t dq_zero_words;

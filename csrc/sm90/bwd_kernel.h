@@ -1,8 +1,10 @@
-// SM90-tier backward main kernel: one CTA per (key block, kv head, sequence), or per key block of a cluster of two
-// (BwdTraits::kKeyPair), of one producer warpgroup (warp 0 loads, warp 1 adds the staged dQ into the workspace;
-// setmaxnreg gives the warpgroup's registers to the consumers) and two consumer warpgroups (wgmma, the gradients'
-// elementwise math, dQ staging, the dK / dV epilogue). The CTA walks every query head of its GQA group, so dK and
-// dV are reduced over the group in registers: no expanded copies, no atomics. The roles' code is in bwd_mainloop.h.
+// SM90-tier backward main kernel: one CTA per tile (key block, kv head, sequence), or per key block of a cluster of
+// two (BwdTraits::kKeyPair), or (BwdTraits::kKVStages 2, short tiles) one persistent CTA per SM walking tiles; of one
+// producer warpgroup (warp 0 loads, warp 1 adds the staged dQ into the workspace and, in a persistent CTA, stores dK
+// and dV; setmaxnreg gives the warpgroup's registers to the consumers) and two consumer warpgroups (wgmma, the
+// gradients' elementwise math, dQ staging, the dK / dV epilogue). A tile walks every query head of its GQA group, so
+// dK and dV are reduced over the group in registers: no expanded copies, no atomics. The roles' per-tile code is in
+// bwd_mainloop.h.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -41,73 +43,124 @@ __device__ __forceinline__ void store_key_gradient(Acc const& acc, float scale, 
                     [scale](float x) { return Element(x * scale); });
 }
 
-// Stores dK (times the softmax scale) and dV of a batched call through K's and V's shared buffers: stmatrix in the
-// accumulators' layout, then one TMA store each, which clips the rows past sk and the columns past d. A varlen or
-// seqused call, whose rows past the sequence belong to another or must stay zero, stores from registers instead.
+// The consumers' side of a tile's end in a persistent CTA, or of a split tile's part: the tile's K/V stage goes to
+// the store warp (store_key_gradients, split_tile_last). Every consumer thread arrives once its GEMMs are done, and a
+// persistent CTA's consumers go on to the next tile.
+template <class Traits>
+__device__ __forceinline__ void hand_over_key_gradients(int kv_stage) {
+    cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads + 32,
+                                        uint32_t(BwdBarrierId::kKeyGradients0) + kv_stage);
+}
+
+// Stages dK (times the softmax scale) and dV of a batched call in K's and V's shared buffers of the tile's stage,
+// with stmatrix in the accumulators' layout, for TMA stores (store_key_gradient_tiles, which clip the rows past sk
+// and the columns past d). A varlen or seqused call, whose rows past the sequence belong to another or must stay
+// zero, stores from registers instead (store_key_gradient).
 template <class Traits, class AccKV>
-__device__ __forceinline__ void store_key_gradients_tma(BwdKernelParams<Traits> const& args,
-                                                        typename Traits::SharedStorage& shared, AccKV& acc_dk,
-                                                        AccKV const& acc_dv, SeqlenInfo const& seq,
-                                                        TileCoord const& blk, int ctid) {
+__device__ __forceinline__ void stage_key_gradients(typename Traits::SharedStorage& shared, int kv_stage,
+                                                    float softmax_scale, AccKV& acc_dk, AccKV const& acc_dv,
+                                                    int ctid) {
     using Element = typename Traits::Element;
-    constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-    BwdParams const& params = args.p;
     sync_consumers<Traits::kConsumerThreads>();  // every warpgroup's last GEMMs have read K and V
-    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sK = make_tensor(make_smem_ptr(Traits::k_buffer(shared, kv_stage)), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(Traits::v_buffer(shared, kv_stage)), typename Traits::SmemLayoutV{});
     typename Traits::SmemCopydKV smem_copy;
     auto thr_copy = smem_copy.get_thread_slice(ctid);
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
+    for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= softmax_scale; }
     copy(smem_copy, thr_copy.retile_S(convert_fragment<Element>(acc_dk)), thr_copy.partition_D(sK));
     copy(smem_copy, thr_copy.retile_S(convert_fragment<Element>(acc_dv)), thr_copy.partition_D(sV));
     cutlass::arch::fence_view_async_shared();  // the stores, visible to TMA
-    sync_consumers<Traits::kConsumerThreads>();
-    if (ctid == 0) {
-        auto store = [&](auto const& tma, auto const& s) {
-            Tensor m = tma.get_tma_tensor(make_shape(params.sk, params.d, params.hk, params.b));
-            Tensor g = local_tile(m(_, _, blk.head, seq.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                  make_coord(blk.block, _0{}));
-            auto slice = tma.get_slice(_0{});
-            copy(tma, slice.partition_S(s), slice.partition_D(g));
-        };
-        store(args.tma_dk, sK);
-        store(args.tma_dv, sV);
-        tma_store_arrive();
-        tma_store_wait<0>();  // shared memory stays until the stores have read it
-    }
 }
 
-// Whether pred holds in any of the kConsumerThreads consumer threads: their barrier (sync_consumers'), reducing.
-template <int kConsumerThreads>
-__device__ __forceinline__ bool consumers_any(bool pred) {
-    constexpr uint32_t kId =
-        cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + uint32_t(BwdBarrierId::kConsumers);
-    uint32_t any;
-    asm volatile(
-        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
-        : "=r"(any)
-        : "r"(uint32_t(pred)), "n"(kId), "n"(kConsumerThreads)
-        : "memory");
-    return any != 0;
+// One thread: the TMA stores of the dK and dV staged in K/V stage kv_stage, waiting until they have read it.
+template <class Traits>
+__device__ __forceinline__ void store_key_gradient_tiles(BwdKernelParams<Traits> const& args,
+                                                         typename Traits::SharedStorage& shared,
+                                                         KeyBlockWork const& work, int kv_stage) {
+    constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    BwdParams const& params = args.p;
+    auto store = [&](auto const& tma, auto* buffer, auto smem_layout) {
+        Tensor m = tma.get_tma_tensor(make_shape(params.sk, params.d, params.hk, params.b));
+        Tensor g = local_tile(m(_, _, work.blk.head, work.seq.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                              make_coord(work.blk.block, _0{}));
+        auto slice = tma.get_slice(_0{});
+        copy(tma, slice.partition_S(make_tensor(make_smem_ptr(buffer), smem_layout)), slice.partition_D(g));
+    };
+    store(args.tma_dk, Traits::k_buffer(shared, kv_stage), typename Traits::SmemLayoutK{});
+    store(args.tma_dv, Traits::v_buffer(shared, kv_stage), typename Traits::SmemLayoutV{});
+    tma_store_arrive();
+    tma_store_wait<0>();
 }
 
-// WaveTail: adds this part's dK and dV into split tile `tile`'s sums. The tile's last part to finish reads the sums
-// back into acc_dk and acc_dv (true); the other parts are done (false).
+// Store warp of a persistent CTA, at a tile's end: once the consumers have handed the tile's K/V stage over, stores
+// the dK and dV staged in it (a batched call's; a varlen or seqused one stores from the consumers' registers) and,
+// once the stores have read it, frees the stage for the producer's next K and V. The consumers meanwhile start their
+// next tile.
+template <class Traits>
+__device__ __forceinline__ void store_key_gradients(BwdKernelParams<Traits> const& args,
+                                                    typename Traits::SharedStorage& shared, KeyBlockWork const& work,
+                                                    int kv_stage, int lane) {
+    cutlass::arch::NamedBarrier::arrive_and_wait(Traits::kConsumerThreads + 32,
+                                                 uint32_t(BwdBarrierId::kKeyGradients0) + kv_stage);
+    bool const batched = args.p.cu_seqlens_k == nullptr && args.p.seqused_k == nullptr;
+    if (lane == 0 && batched) { store_key_gradient_tiles<Traits>(args, shared, work, kv_stage); }
+}
+
+// WaveTail, consumers: adds this part's dK and dV into split tile `tile`'s sums (fenced for the tile's other parts).
 template <class Traits, class AccKV>
-__device__ __forceinline__ bool sum_tile_parts(BwdParams const& params, int tile, int parts, AccKV& acc_dk,
-                                               AccKV& acc_dv, int ctid) {
+__device__ __forceinline__ void add_tile_part(BwdParams const& params, int tile, AccKV const& acc_dk,
+                                              AccKV const& acc_dv, int ctid) {
     constexpr int kThreads = Traits::kConsumerThreads;
     constexpr int kTileFloats = decltype(size(acc_dk))::value * kThreads;
     float* const sums = params.dkv_sums + int64_t(tile) * 2 * kTileFloats;
     add_dq<kThreads>(sums, acc_dk, ctid);
     add_dq<kThreads>(sums + kTileFloats, acc_dv, ctid);
-    __threadfence();  // the additions, before the count that tells the last part to read them
-    sync_consumers<kThreads>();
-    bool last = false;
-    if (ctid == 0) { last = atomicAdd(params.dkv_parts_done + tile, 1) == parts - 1; }
-    if (!consumers_any<kThreads>(last)) { return false; }
     __threadfence();
+}
+
+// WaveTail, consumers and store warp (its lane 0 knows the answer): whether this part is its tile's last, by the
+// split barrier's reduction. The answer is passed on from lane 0 (__shfl_sync) so that ptxas sees it warp-uniform: a
+// branch on it is then no divergence, which in the persistent CTA's loop over tiles would make every value carried
+// around the loop (the rings' states) non-uniform and move the wgmma descriptors derived from them out of uniform
+// registers.
+template <class Traits>
+__device__ __forceinline__ bool split_tile_last(bool pred) {
+    constexpr uint32_t kId =
+        cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + uint32_t(BwdBarrierId::kSplitTile);
+    uint32_t any;
+    asm volatile(
+        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
+        : "=r"(any)
+        : "r"(uint32_t(pred)), "n"(kId), "n"(Traits::kConsumerThreads + 32)
+        : "memory");
+    return __shfl_sync(0xffffffffu, any, 0) != 0;
+}
+
+// WaveTail, store warp: once the part's consumers have added into the sums and handed its K/V stage over, counts the
+// part in; the tile's last part to be counted (true) is the one that stores the sums. The consumers learn it from
+// split_tile_last.
+template <class Traits>
+__device__ __forceinline__ bool count_tile_part(BwdParams const& params, int tile, int parts, int kv_stage,
+                                                int lane) {
+    cutlass::arch::NamedBarrier::arrive_and_wait(Traits::kConsumerThreads + 32,
+                                                 uint32_t(BwdBarrierId::kKeyGradients0) + kv_stage);
+    bool last = false;
+    if (lane == 0) {
+        __threadfence();  // the consumers' additions (cumulative), before the count that tells the last part
+        last = atomicAdd(params.dkv_parts_done + tile, 1) == parts - 1;
+        __threadfence();  // the count, before the last part's consumers read the sums
+    }
+    return split_tile_last<Traits>(last);
+}
+
+// WaveTail, consumers of the tile's last part: the sums, into acc_dk and acc_dv.
+template <class Traits, class AccKV>
+__device__ __forceinline__ void read_tile_sums(BwdParams const& params, int tile, AccKV& acc_dk, AccKV& acc_dv,
+                                               int ctid) {
+    constexpr int kThreads = Traits::kConsumerThreads;
+    constexpr int kTileFloats = decltype(size(acc_dk))::value * kThreads;
+    float const* sums = params.dkv_sums + int64_t(tile) * 2 * kTileFloats;
     auto read = [&](AccKV& acc, float const* run) {
         CUTE_UNROLL
         for (int i = 0; i < size(acc); i += 4) {
@@ -120,7 +173,6 @@ __device__ __forceinline__ bool sum_tile_parts(BwdParams const& params, int tile
     };
     read(acc_dk, sums);
     read(acc_dv, sums + kTileFloats);
-    return true;
 }
 
 template <class Traits>
@@ -136,8 +188,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     // accumulation order).
     // kKeyPair: a cluster's two CTAs (ranks 0 and 1) take key blocks 2j and 2j + 1 of a 2 * kBlockN tile, and both
     // walk the query blocks that see either block (blocks past the diagonal or the keys' end are masked whole).
-    // Each role decodes its tile after the register split (from a re-read block index): kept live from one decoding
-    // before it, the tile's coordinates were spilled and reloaded in the consumers' loop (d 128).
+    // Each role decodes its tiles after the register split: kept live from one decoding before it, the tile's
+    // coordinates were spilled and reloaded in the consumers' loop (d 128).
     constexpr int kTileKeys = Traits::kKeyPair ? 2 * kBlockN : kBlockN;
     bool const reverse = params.deterministic && params.window_right >= 0;
     // WaveTail: block indices from tail.first on are the parts of split tiles, a tile's parts adjacent.
@@ -158,10 +210,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         if constexpr (Traits::kKeyPair) { blk.block = 2 * blk.block + int(cute::block_rank_in_cluster()); }
         return KeyBlockWork{blk, seq, window, m_range, part, parts};
     };
-    if (!work_at(blockIdx.x).blk.valid) { return; }
+    // Tiles: block index blockIdx.x, and in a persistent grid (launch_bwd) then gridDim.x plus the count taken so far
+    // from params.tile_counter, so that the SMs that finish first take the next tiles (under a causal mask, the
+    // longest first). The producer takes them and writes each into its K/V stage's tile_index, which the other roles
+    // read once the stage is full; args.blocks there ends the CTA. It skips the indices that a varlen grid leaves
+    // spare and the tiles past seqused. A CTA of one tile (not persistent) stores its dK and dV from the consumers and
+    // ends with its tile.
+    bool const persistent = gridDim.x < unsigned(args.blocks);
+    // The store warp's and the consumers' tile at K/V stage kv_state: in a persistent CTA the producer's, once the
+    // stage is full (from lane 0, so that ptxas sees the tile and the loop over its steps warp-uniform: see
+    // split_tile_last); in a CTA of one tile its own, decoded while K and V are on their way (a tile that the
+    // producer skips is invalid here too).
+    auto tile_of = [&](RingState<Traits::kKVStages> const& kv_state) {
+        if (!persistent) { return block_index_reread(); }
+        shared.kv_ring.wait(kv_state);
+        return __shfl_sync(0xffffffffu, shared.tile_index[kv_state.index], 0);
+    };
 
     if (tid == 0) {
-        cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full, 1);
+        shared.kv_ring.init(1);  // the store warp frees a stage
         shared.q_ring.init(Traits::kConsumerThreads / 32);
         shared.do_ring.init(Traits::kConsumerThreads / 32);
         if constexpr (Traits::kKeyPair) { DsExchange<Traits>::init(shared); }
@@ -175,43 +242,131 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         __syncthreads();
     }
 
+    RingState<Traits::kKVStages> kv_state;
     if (tid < 128) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-        KeyBlockWork const work = work_at(block_index_reread());
-        bool const has_work = work.iterations(params) > 0;
-        int const warp = tid / 32;
-        if (warp == 0 && has_work && cute::elect_one_sync()) { load_bwd<Traits>(args, shared, work); }
-        if constexpr (!Traits::kKeyPair) {
-            if (warp == 1 && has_work) { store_dq<Traits>(params, shared, work, reverse, tid % 32); }
+        int const warp = tid / 32, lane = tid % 32;
+        if (warp == 0) {
+            RingState<Traits::kQStages> q_state;
+            RingState<Traits::kdOStages> do_state;
+            auto next_index = [&] {
+                if (gridDim.x >= unsigned(args.blocks)) { return args.blocks; }
+                int next = 0;
+                if (lane == 0) { next = int(gridDim.x) + atomicAdd(params.tile_counter, 1); }
+                return __shfl_sync(0xffffffffu, next, 0);
+            };
+            for (int index = block_index_reread();; index = next_index()) {
+                bool const end = index >= args.blocks;
+                KeyBlockWork const work = work_at(end ? 0 : index);
+                if (!end && !work.blk.valid) { continue; }
+                if (cute::elect_one_sync()) {
+                    shared.kv_ring.wait_free(kv_state);
+                    shared.tile_index[kv_state.index] = end ? args.blocks : index;
+                    if (end) {
+                        shared.kv_ring.announce(kv_state, 0);
+                    } else {
+                        load_bwd<Traits>(args, shared, work, kv_state, q_state, do_state);
+                    }
+                }
+                __syncwarp();
+                if (end || !persistent) { break; }
+                kv_state.advance();
+            }
+        } else if (warp == 1) {
+            // A CTA of one tile has a loop-free path of its own: at 24 registers, the loop's state spilled into the
+            // deterministic mode's semaphore chain (d 128 5% slower).
+            auto tile_work = [&](KeyBlockWork const& work, int index) {
+                if constexpr (!Traits::kKeyPair) {
+                    if (work.iterations(params) > 0) { store_dq<Traits>(params, shared, work, reverse, lane); }
+                }
+                // A split tile (batched): its last part stores the sums, from this warp if persistent.
+                if (index >= args.tail.first) {
+                    int const tile = (index - args.tail.first) / args.tail.parts;
+                    return count_tile_part<Traits>(params, tile, args.tail.parts, kv_state.index, lane);
+                }
+                return false;
+            };
+            if (!persistent) {
+                int const index = block_index_reread();
+                if (KeyBlockWork const work = work_at(index); work.blk.valid) { tile_work(work, index); }
+                return;
+            }
+            for (;; kv_state.advance()) {
+                int const index = tile_of(kv_state);
+                if (index >= args.blocks) { break; }
+                KeyBlockWork const work = work_at(index);
+                if (tile_work(work, index)) {
+                    split_tile_last<Traits>(false);  // the consumers have staged the sums
+                    if (lane == 0) { store_key_gradient_tiles<Traits>(args, shared, work, kv_state.index); }
+                } else if (index < args.tail.first) {
+                    store_key_gradients<Traits>(args, shared, work, kv_state.index, lane);
+                }
+                __syncwarp();
+                shared.kv_ring.release(kv_state);
+            }
         }
         return;
     }
 
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    KeyBlockWork const work = work_at(block_index_reread());
-    SeqlenInfo const& seq = work.seq;
-    TileCoord const& blk = work.blk;
     int const ctid = tid - 128;
-    typename Traits::TiledMmadKV mma_dkv;
-    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-    clear(acc_dk);
-    clear(acc_dv);
-    if (work.iterations(params) > 0) { consume_bwd<Traits>(params, shared, work, ctid, acc_dk, acc_dv); }
-    if (int const index = block_index_reread(); index >= args.tail.first) {
-        int const tile = (index - args.tail.first) / args.tail.parts;
-        if (!sum_tile_parts<Traits>(params, tile, args.tail.parts, acc_dk, acc_dv, ctid)) { return; }
-    }
+    RingState<Traits::kQStages> q_state;
+    RingState<Traits::kdOStages> do_state;
+    for (;; kv_state.advance()) {
+        int const index = tile_of(kv_state);
+        if (index >= args.blocks) { break; }
+        KeyBlockWork const work = work_at(index);
+        if (!work.blk.valid) { break; }
+        SeqlenInfo const& seq = work.seq;
+        TileCoord const& blk = work.blk;
+        typename Traits::TiledMmadKV mma_dkv;
+        Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+        Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+        clear(acc_dk);
+        clear(acc_dv);
+        shared.kv_ring.wait(kv_state);  // (in a persistent CTA, done by tile_of)
+        if (work.iterations(params) > 0) {
+            consume_bwd<Traits>(params, shared, work, ctid, kv_state.index, q_state, do_state, acc_dk, acc_dv);
+        }
+        bool const batched = params.cu_seqlens_k == nullptr && params.seqused_k == nullptr;
+        if (index >= args.tail.first) {
+            // A split tile (batched only): every part adds into the sums, the last one to be counted stores them.
+            int const tile = (index - args.tail.first) / args.tail.parts;
+            add_tile_part<Traits>(params, tile, acc_dk, acc_dv, ctid);
+            hand_over_key_gradients<Traits>(kv_state.index);
+            if (!split_tile_last<Traits>(false)) {
+                if (!persistent) { break; }
+                continue;
+            }
+            read_tile_sums<Traits>(params, tile, acc_dk, acc_dv, ctid);
+            stage_key_gradients<Traits>(shared, kv_state.index, params.softmax_scale, acc_dk, acc_dv, ctid);
+            if (persistent) {
+                split_tile_last<Traits>(false);  // staged, for the store warp
+                continue;
+            }
+            sync_consumers<Traits::kConsumerThreads>();
+            if (ctid == 0) { store_key_gradient_tiles<Traits>(args, shared, work, kv_state.index); }
+            break;
+        }
 
-    // A key block that no query sees stores zeros.
-    if (params.cu_seqlens_k == nullptr && params.seqused_k == nullptr) {
-        store_key_gradients_tma<Traits>(args, shared, acc_dk, acc_dv, seq, blk, ctid);
-        return;
+        // A key block that no query sees stores zeros.
+        if (batched) {
+            stage_key_gradients<Traits>(shared, kv_state.index, params.softmax_scale, acc_dk, acc_dv, ctid);
+            if (!persistent) {
+                sync_consumers<Traits::kConsumerThreads>();
+                if (ctid == 0) { store_key_gradient_tiles<Traits>(args, shared, work, kv_state.index); }
+                break;
+            }
+            hand_over_key_gradients<Traits>(kv_state.index);
+        } else {
+            if (persistent) { hand_over_key_gradients<Traits>(kv_state.index); }
+            store_key_gradient<Traits>(acc_dk, params.softmax_scale, params, seq, blk, params.dk,
+                                       params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride, ctid);
+            store_key_gradient<Traits>(acc_dv, 1.f, params, seq, blk, params.dv, params.dv_batch_stride,
+                                       params.dv_row_stride, params.dv_head_stride, ctid);
+            if (!persistent) { break; }
+        }
     }
-    store_key_gradient<Traits>(acc_dk, params.softmax_scale, params, seq, blk, params.dk, params.dk_batch_stride,
-                               params.dk_row_stride, params.dk_head_stride, ctid);
-    store_key_gradient<Traits>(acc_dv, 1.f, params, seq, blk, params.dv, params.dv_batch_stride, params.dv_row_stride,
-                               params.dv_head_stride, ctid);
 }
 
 }  // namespace flash::sm90

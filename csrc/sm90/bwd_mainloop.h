@@ -60,6 +60,7 @@ struct BwdKernelParams {
     int section = 1;  // decode_tile's (batch, kv head) pairs taken together
     typename Traits::TmaKHalf tma_k_half{};  // Traits::kKeyPair: the other key block's K, this CTA's head-dim half
     WaveTail tail{};
+    int blocks = 0;  // block indices: the grid's, or with a persistent grid more, taken through params.tile_counter
 };
 
 // The CTA's work: key block blk.block of kv head blk.head in sequence blk.batch, and the query blocks m_range that see
@@ -133,11 +134,13 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, float const* smem, 
 // Waits until this thread's bulk operations have completed, writes included (wait_group.read only covers reads).
 __device__ __forceinline__ void bulk_wait_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-// Producer (one thread): K and V once, then Q with its lse2 and dO with its D for every (head, query block), in the
-// consumers' order, each on its stage's one transaction barrier.
+// Producer (one thread), per tile, once the tile's K/V stage is free: K and V once into that stage, then Q with its
+// lse2 and dO with its D for every (head, query block), in the consumers' order, each on its stage's one transaction
+// barrier. A tile without steps completes its K/V stage with no bytes.
 template <class Traits>
 __device__ __forceinline__ void load_bwd(BwdKernelParams<Traits> const& args, typename Traits::SharedStorage& shared,
-                                         KeyBlockWork const& work) {
+                                         KeyBlockWork const& work, RingState<Traits::kKVStages> const& kv_state,
+                                         RingState<Traits::kQStages>& q_state, RingState<Traits::kdOStages>& do_state) {
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     constexpr int kStatsBytes = kBlockM * int(sizeof(float));
     BwdParams const& params = args.p;
@@ -150,8 +153,8 @@ __device__ __forceinline__ void load_bwd(BwdKernelParams<Traits> const& args, ty
     Tensor mV = args.tma_v.get_tma_tensor(make_shape(params.sk, params.d, params.hk, batches));
     Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutdO{});
-    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sK = make_tensor(make_smem_ptr(Traits::k_buffer(shared, kv_state.index)), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(Traits::v_buffer(shared, kv_state.index)), typename Traits::SmemLayoutV{});
     auto tma_q = args.tma_q.get_slice(_0{});
     auto tma_do = args.tma_do.get_slice(_0{});
     auto tma_k = args.tma_k.get_slice(_0{});
@@ -162,10 +165,12 @@ __device__ __forceinline__ void load_bwd(BwdKernelParams<Traits> const& args, ty
                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(work.blk.block, _0{}));
     };
     constexpr int kPeerKBytes = Traits::kKeyPair ? Traits::kKVBytes / 2 : 0;
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.kv_full, 2 * Traits::kKVBytes + kPeerKBytes);
-    copy(args.tma_k.with(shared.kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_k.partition_S(key_tile(mK)),
+    int const iters = work.iterations(params);
+    uint64_t& kv_full = shared.kv_ring.announce(kv_state, iters > 0 ? 2 * Traits::kKVBytes + kPeerKBytes : 0);
+    if (iters == 0) { return; }
+    copy(args.tma_k.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_k.partition_S(key_tile(mK)),
          tma_k.partition_D(sK));
-    copy(args.tma_v.with(shared.kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_v.partition_S(key_tile(mV)),
+    copy(args.tma_v.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_v.partition_S(key_tile(mV)),
          tma_v.partition_D(sV));
     if constexpr (Traits::kKeyPair) {
         // The other block's K, columns of the head-dim half that this CTA (its rank) adds into dQ.
@@ -175,7 +180,7 @@ __device__ __forceinline__ void load_bwd(BwdKernelParams<Traits> const& args, ty
         Tensor gKp = local_tile(domain_offset(make_coord(seq.k.start, _0{}), mKh(_, _, work.blk.head, entry)),
                                 Shape<Int<kBlockN>, Int<Traits::kPeerKCols>>{},
                                 make_coord(work.blk.block ^ 1, int(cute::block_rank_in_cluster())));
-        copy(args.tma_k_half.with(shared.kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_kh.partition_S(gKp),
+        copy(args.tma_k_half.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_kh.partition_S(gKp),
              tma_kh.partition_D(sKp));
     }
 
@@ -183,10 +188,7 @@ __device__ __forceinline__ void load_bwd(BwdKernelParams<Traits> const& args, ty
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
     Tensor tQsQ = tma_q.partition_D(sQ);  // (TMA, 1, 1, stage)
     Tensor tdOsdO = tma_do.partition_D(sdO);
-    RingState<Traits::kQStages> q_state;
-    RingState<Traits::kdOStages> do_state;
     QueryBlockCursor<!Traits::kSplitHeadDim> cur(params, work);
-    int const iters = work.iterations(params);
     for (int it = 0; it < iters; ++it, cur.advance()) {
         auto query_tile = [&](auto const& m) {
             return local_tile(domain_offset(make_coord(seq.q.start, _0{}), m(_, _, cur.head, entry)),
@@ -344,11 +346,13 @@ __device__ __forceinline__ void store_dq(BwdParams const& params, typename Trait
     }
 }
 
-// Consumer warpgroups (ctid: thread index among them): accumulate this CTA's dK and dV (unscaled) in registers, and
-// add each query block's dQ into the workspace.
+// Consumer warpgroups (ctid: thread index among them): accumulate the tile's dK and dV (unscaled) in registers, and
+// add each query block's dQ into the workspace. The caller has waited for K/V stage kv_stage.
 template <class Traits, class AccKV>
 __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Traits::SharedStorage& shared,
-                                            KeyBlockWork const& work, int ctid, AccKV& acc_dk, AccKV& acc_dv) {
+                                            KeyBlockWork const& work, int ctid, int kv_stage,
+                                            RingState<Traits::kQStages>& q_state,
+                                            RingState<Traits::kdOStages>& do_state, AccKV& acc_dk, AccKV& acc_dv) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     constexpr int kConsumerThreads = Traits::kConsumerThreads;
@@ -359,12 +363,13 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
 
     Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutdO{});
-    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
+    kv_stage = Traits::uniform_stage(kv_stage);
+    Tensor sK = make_tensor(make_smem_ptr(Traits::k_buffer(shared, kv_stage)), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(Traits::v_buffer(shared, kv_stage)), typename Traits::SmemLayoutV{});
     Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdS{});
     Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
     Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutdOt{});
-    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sKt = make_tensor(make_smem_ptr(Traits::k_buffer(shared, kv_stage)), typename Traits::SmemLayoutKt{});
     Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSt{});
 
     typename Traits::TiledMmaSdP mma_sdp;
@@ -443,7 +448,6 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     bool const foreign_q = params.cu_seqlens_q != nullptr || params.seqused_q != nullptr;
     bool const foreign_k = params.cu_seqlens_k != nullptr || params.seqused_k != nullptr;
 
-    cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
     // The other block of a pair holds keys past its own end too (kKeyPair: when its block is the second).
     int const peer_col0 = kPair ? (n_block ^ 1) * kBlockN : col0;
     if (foreign_k && max(col0, peer_col0) + kBlockN > seq.k.len) {
@@ -458,8 +462,6 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         sync_consumers<kConsumerThreads>();
     }
 
-    RingState<Traits::kQStages> q_state;
-    RingState<Traits::kdOStages> do_state;
     QueryBlockCursor<!Traits::kSplitHeadDim> cur(params, work);
     int const iters = work.iterations(params);
 

@@ -42,7 +42,14 @@ struct TmaRing {
     // Producer: waits until the stage is free (the first pass finds every stage free), announces the bytes its TMA
     // will bring, and returns the barrier that the TMA completes.
     __device__ __forceinline__ uint64_t& acquire(RingState<kStages> const& s, int bytes) {
+        wait_free(s);
+        return announce(s, bytes);
+    }
+    // acquire in two halves, for a producer that writes into the stage between them.
+    __device__ __forceinline__ void wait_free(RingState<kStages> const& s) {
         cutlass::arch::ClusterBarrier::wait(&empty[s.index], s.phase ^ 1);
+    }
+    __device__ __forceinline__ uint64_t& announce(RingState<kStages> const& s, int bytes) {
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full[s.index], bytes);
         return full[s.index];
     }
@@ -67,9 +74,11 @@ struct TmaRing {
 // Named barrier ids (after CUTLASS's reserved ones): the consumers', one GEMM turn and one epilogue barrier per
 // consumer warpgroup (at most 3). The producer warpgroup never takes part.
 enum class NamedBarrierId : uint32_t { kConsumers = 0, kGemmTurn0 = 1, kEpilogue0 = 4 };
-// The backward's: the consumers' (as above), and per consumer warpgroup the two sides of its dQ staging buffer with
-// the store warp (full: the warpgroup wrote it; empty: the store warp's reduction has read it).
-enum class BwdBarrierId : uint32_t { kConsumers = 0, kDqFull0 = 1, kDqEmpty0 = 3 };
+// The backward's: the consumers' (as above), per consumer warpgroup the two sides of its dQ staging buffer with the
+// store warp (full: the warpgroup wrote it; empty: the store warp's reduction has read it), per K/V stage the
+// consumers' hand-over of a tile's end to the store warp, and the split tiles' (WaveTail) exchange of the last part's
+// turn with the store warp.
+enum class BwdBarrierId : uint32_t { kConsumers = 0, kDqFull0 = 1, kDqEmpty0 = 3, kKeyGradients0 = 5, kSplitTile = 7 };
 
 template <int kConsumerThreads>
 __device__ __forceinline__ void sync_consumers() {

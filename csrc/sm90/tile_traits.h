@@ -148,9 +148,11 @@ struct FwdTraits {
 // A backward tile: block_n keys (64 per consumer warpgroup, or 64 shared by both: BwdTraits::kSplitHeadDim) kept in
 // shared memory for the whole CTA, query blocks of block_m rows streamed through rings of q_stages (Q, lse) and
 // do_stages (dO, D) buffers. key_pair: a cluster of two CTAs on adjacent key blocks (BwdTraits::kKeyPair).
+// kv_stages 2: a persistent CTA, whose next tile's K and V land in the second buffer while it works on the first.
 struct BwdTile {
     int block_m, block_n, q_stages, do_stages;
     bool key_pair = false;
+    int kv_stages = 1;
 };
 
 // The scores are computed transposed, S^T = K Q^T and dP^T = V dO^T, with the keys on wgmma's M: their accumulators
@@ -178,6 +180,10 @@ struct BwdTraits {
     // buffer's shared memory to the other block's K half and dS^T.
     static constexpr bool kKeyPair = kTile.key_pair;
     static_assert(!kKeyPair || kSplitHeadDim);
+    // kKVStages 2: the CTA loops over tiles (launch_bwd's persistent grid); tile t uses K/V buffer t % 2, and the store
+    // warp stores its dK and dV out of that buffer while the consumers start tile t + 1.
+    static constexpr int kKVStages = kTile.kv_stages;
+    static_assert(kKVStages == 1 || (kKVStages == 2 && !kKeyPair));
     static constexpr int kConsumerWarpGroups = kSplitHeadDim ? 2 : kBlockN / 64;
     static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
     static constexpr int kNThreads = kConsumerThreads + 128;
@@ -307,13 +313,14 @@ struct BwdTraits {
     struct SharedStorage {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> dout;
-        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
-        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> v;
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK> * kKVStages> k;
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV> * kKVStages> v;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
         BufferIf<float, kConsumerWarpGroups * kdQStagedFloats, !kKeyPair, 128> dq;
         alignas(128) float lse2[kQStages][kBlockM];  // per Q stage (BwdParams::lse2)
         alignas(128) float dpsum[kdOStages][kBlockM];  // per dO stage (BwdParams::dpsum)
-        uint64_t kv_full;
+        TmaRing<kKVStages> kv_ring;  // empty: the store warp has stored the buffer's dK and dV (or had none to store)
+        int tile_index[kKVStages];  // set by the producer: the block index of the stage's tile (past the last: none)
         TmaRing<kQStages> q_ring;
         TmaRing<kdOStages> do_ring;
         uint64_t peer_ds_full[2];   // kKeyPair: the other CTA's dS^T has landed in ds_peer (its bulk copy's bytes)
@@ -323,6 +330,19 @@ struct BwdTraits {
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
     static_assert(kSmemBytes <= 227 * 1024);
+
+    // A K/V stage's buffers.
+    __device__ __forceinline__ static Element* k_buffer(SharedStorage& shared, int stage) {
+        return shared.k.data() + (kKVStages == 1 ? 0 : stage) * cosize_v<SmemLayoutK>;
+    }
+    __device__ __forceinline__ static Element* v_buffer(SharedStorage& shared, int stage) {
+        return shared.v.data() + (kKVStages == 1 ? 0 : stage) * cosize_v<SmemLayoutV>;
+    }
+    // The stage, for a whole warp, from lane 0 (__shfl_sync): ptxas then sees it warp-uniform and keeps the wgmma
+    // descriptors built from it in uniform registers.
+    __device__ __forceinline__ static int uniform_stage(int stage) {
+        return kKVStages == 1 ? 0 : __shfl_sync(0xffffffffu, stage, 0);
+    }
 };
 
 }  // namespace flash::sm90
