@@ -107,6 +107,19 @@ __device__ __forceinline__ void store_key_gradients(BwdKernelParams<Traits> cons
     if (lane == 0 && batched) { store_key_gradient_tiles<Traits>(args, shared, work, kv_stage); }
 }
 
+// Whether pred holds in any of the kThreads threads that meet at named barrier kId (bar.red.or: the barrier, reducing).
+template <BwdBarrierId kId, int kThreads>
+__device__ __forceinline__ bool barrier_any(bool pred) {
+    constexpr uint32_t kHardwareId = cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + uint32_t(kId);
+    uint32_t any;
+    asm volatile(
+        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
+        : "=r"(any)
+        : "r"(uint32_t(pred)), "n"(kHardwareId), "n"(kThreads)
+        : "memory");
+    return any != 0;
+}
+
 // WaveTail, consumers: adds this part's dK and dV into split tile `tile`'s sums (fenced for the tile's other parts).
 template <class Traits, class AccKV>
 __device__ __forceinline__ void add_tile_part(BwdParams const& params, int tile, AccKV const& acc_dk,
@@ -126,15 +139,8 @@ __device__ __forceinline__ void add_tile_part(BwdParams const& params, int tile,
 // registers.
 template <class Traits>
 __device__ __forceinline__ bool split_tile_last(bool pred) {
-    constexpr uint32_t kId =
-        cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + uint32_t(BwdBarrierId::kSplitTile);
-    uint32_t any;
-    asm volatile(
-        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
-        : "=r"(any)
-        : "r"(uint32_t(pred)), "n"(kId), "n"(Traits::kConsumerThreads + 32)
-        : "memory");
-    return __shfl_sync(0xffffffffu, any, 0) != 0;
+    bool const any = barrier_any<BwdBarrierId::kSplitTile, Traits::kConsumerThreads + 32>(pred);
+    return __shfl_sync(0xffffffffu, int(any), 0) != 0;
 }
 
 // WaveTail, store warp: once the part's consumers have added into the sums and handed its K/V stage over, counts the
@@ -175,6 +181,132 @@ __device__ __forceinline__ void read_tile_sums(BwdParams const& params, int tile
     read(acc_dv, sums + kTileFloats);
 }
 
+// WaveTail, a CTA of one tile: the consumers add this part into the sums; the tile's last part to finish (true) reads
+// them back into acc_dk and acc_dv, the other parts are done (false).
+template <class Traits, class AccKV>
+__device__ __forceinline__ bool sum_tile_parts(BwdParams const& params, int tile, int parts, AccKV& acc_dk,
+                                               AccKV& acc_dv, int ctid) {
+    constexpr int kThreads = Traits::kConsumerThreads;
+    add_tile_part<Traits>(params, tile, acc_dk, acc_dv, ctid);
+    sync_consumers<kThreads>();
+    bool last = false;
+    if (ctid == 0) { last = atomicAdd(params.dkv_parts_done + tile, 1) == parts - 1; }
+    if (!barrier_any<BwdBarrierId::kConsumers, kThreads>(last)) { return false; }
+    __threadfence();
+    read_tile_sums<Traits>(params, tile, acc_dk, acc_dv, ctid);
+    return true;
+}
+
+// A persistent CTA (launch_bwd's grid of one CTA per SM where BwdTraits::kKVStages is 2 and tiles are short): tiles
+// from block index blockIdx.x on, then gridDim.x plus the count taken so far from params.tile_counter, so that the SMs
+// that finish first take the next tiles (under a causal mask, the longest first). The producer takes them (skipping
+// the indices that a varlen grid leaves spare and the tiles past seqused) and writes each into its K/V stage's
+// tile_index before loading the stage; the other roles read it once the stage is full (from lane 0, so that ptxas
+// sees the tile and the loop over its steps warp-uniform: see split_tile_last). args.blocks there ends the CTA. The
+// consumers hand each tile's end to the store warp, which stores dK and dV from the K/V stage and frees it for the
+// producer, while the consumers start the next tile.
+template <class Traits, class WorkAt>
+__device__ __forceinline__ void persistent_tiles(BwdKernelParams<Traits> const& args,
+                                                 typename Traits::SharedStorage& shared, WorkAt const& work_at,
+                                                 bool reverse, int tid) {
+    constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    BwdParams const& params = args.p;
+    RingState<Traits::kKVStages> kv_state;
+    auto tile_of = [&] {
+        shared.kv_ring.wait(kv_state);
+        return __shfl_sync(0xffffffffu, shared.tile_index[kv_state.index], 0);
+    };
+    if (tid < 128) {
+        cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+        int const warp = tid / 32, lane = tid % 32;
+        if (warp == 0) {
+            RingState<Traits::kQStages> q_state;
+            RingState<Traits::kdOStages> do_state;
+            for (int index = block_index_reread();;) {
+                bool const end = index >= args.blocks;
+                KeyBlockWork const work = work_at(end ? 0 : index);
+                if (end || work.blk.valid) {
+                    if (cute::elect_one_sync()) {
+                        shared.kv_ring.wait_free(kv_state);
+                        shared.tile_index[kv_state.index] = end ? args.blocks : index;
+                        if (end) {
+                            shared.kv_ring.announce(kv_state, 0);
+                        } else {
+                            load_bwd<Traits>(args, shared, work, kv_state, q_state, do_state);
+                        }
+                    }
+                    __syncwarp();
+                    if (end) { break; }
+                    kv_state.advance();
+                }
+                int next = 0;
+                if (lane == 0) { next = int(gridDim.x) + atomicAdd(params.tile_counter, 1); }
+                index = __shfl_sync(0xffffffffu, next, 0);
+            }
+        } else if (warp == 1) {
+            for (;; kv_state.advance()) {
+                int const index = tile_of();
+                if (index >= args.blocks) { break; }
+                KeyBlockWork const work = work_at(index);
+                if (work.iterations(params) > 0) { store_dq<Traits>(params, shared, work, reverse, lane); }
+                if (index < args.tail.first) {
+                    store_key_gradients<Traits>(args, shared, work, kv_state.index, lane);
+                } else if (count_tile_part<Traits>(params, (index - args.tail.first) / args.tail.parts,
+                                                   args.tail.parts, kv_state.index, lane)) {
+                    split_tile_last<Traits>(false);  // the consumers have staged the sums
+                    if (lane == 0) { store_key_gradient_tiles<Traits>(args, shared, work, kv_state.index); }
+                }
+                __syncwarp();
+                shared.kv_ring.release(kv_state);
+            }
+        }
+        return;
+    }
+
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    int const ctid = tid - 128;
+    bool const batched = params.cu_seqlens_k == nullptr && params.seqused_k == nullptr;
+    RingState<Traits::kQStages> q_state;
+    RingState<Traits::kdOStages> do_state;
+    for (;; kv_state.advance()) {
+        int const index = tile_of();
+        if (index >= args.blocks) { break; }
+        KeyBlockWork const work = work_at(index);
+        typename Traits::TiledMmadKV mma_dkv;
+        Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+        Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+        clear(acc_dk);
+        clear(acc_dv);
+        if (work.iterations(params) > 0) {
+            consume_bwd<Traits>(params, shared, work, ctid, kv_state, q_state, do_state, acc_dk, acc_dv);
+        }
+        if (index >= args.tail.first) {
+            // A split tile (batched only): every part adds into the sums; the store warp counts the parts in, and
+            // the last one's consumers stage the sums for it.
+            int const tile = (index - args.tail.first) / args.tail.parts;
+            add_tile_part<Traits>(params, tile, acc_dk, acc_dv, ctid);
+            hand_over_key_gradients<Traits>(kv_state.index);
+            if (split_tile_last<Traits>(false)) {
+                read_tile_sums<Traits>(params, tile, acc_dk, acc_dv, ctid);
+                stage_key_gradients<Traits>(shared, kv_state.index, params.softmax_scale, acc_dk, acc_dv, ctid);
+                split_tile_last<Traits>(false);  // staged, for the store warp
+            }
+            continue;
+        }
+        // A key block that no query sees stores zeros.
+        if (batched) {
+            stage_key_gradients<Traits>(shared, kv_state.index, params.softmax_scale, acc_dk, acc_dv, ctid);
+            hand_over_key_gradients<Traits>(kv_state.index);
+            continue;
+        }
+        hand_over_key_gradients<Traits>(kv_state.index);
+        store_key_gradient<Traits>(acc_dk, params.softmax_scale, params, work.seq, work.blk, params.dk,
+                                   params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride, ctid);
+        store_key_gradient<Traits>(acc_dv, 1.f, params, work.seq, work.blk, params.dv, params.dv_batch_stride,
+                                   params.dv_row_stride, params.dv_head_stride, ctid);
+    }
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdKernelParams<Traits> const args) {
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -188,8 +320,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     // accumulation order).
     // kKeyPair: a cluster's two CTAs (ranks 0 and 1) take key blocks 2j and 2j + 1 of a 2 * kBlockN tile, and both
     // walk the query blocks that see either block (blocks past the diagonal or the keys' end are masked whole).
-    // Each role decodes its tiles after the register split: kept live from one decoding before it, the tile's
-    // coordinates were spilled and reloaded in the consumers' loop (d 128).
+    // Each role decodes its tile after the register split (from a re-read block index): kept live from one decoding
+    // before it, the tile's coordinates were spilled and reloaded in the consumers' loop (d 128).
     constexpr int kTileKeys = Traits::kKeyPair ? 2 * kBlockN : kBlockN;
     bool const reverse = params.deterministic && params.window_right >= 0;
     // WaveTail: block indices from tail.first on are the parts of split tiles, a tile's parts adjacent.
@@ -210,25 +342,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         if constexpr (Traits::kKeyPair) { blk.block = 2 * blk.block + int(cute::block_rank_in_cluster()); }
         return KeyBlockWork{blk, seq, window, m_range, part, parts};
     };
-    // Tiles: block index blockIdx.x, and in a persistent grid (launch_bwd) then gridDim.x plus the count taken so far
-    // from params.tile_counter, so that the SMs that finish first take the next tiles (under a causal mask, the
-    // longest first). The producer takes them and writes each into its K/V stage's tile_index, which the other roles
-    // read once the stage is full; args.blocks there ends the CTA. It skips the indices that a varlen grid leaves
-    // spare and the tiles past seqused. A CTA of one tile (not persistent) stores its dK and dV from the consumers and
-    // ends with its tile.
-    bool const persistent = gridDim.x < unsigned(args.blocks);
-    // The store warp's and the consumers' tile at K/V stage kv_state: in a persistent CTA the producer's, once the
-    // stage is full (from lane 0, so that ptxas sees the tile and the loop over its steps warp-uniform: see
-    // split_tile_last); in a CTA of one tile its own, decoded while K and V are on their way (a tile that the
-    // producer skips is invalid here too).
-    auto tile_of = [&](RingState<Traits::kKVStages> const& kv_state) {
-        if (!persistent) { return block_index_reread(); }
-        shared.kv_ring.wait(kv_state);
-        return __shfl_sync(0xffffffffu, shared.tile_index[kv_state.index], 0);
-    };
+    bool const persistent = Traits::kKVStages > 1 && gridDim.x < unsigned(args.blocks);
+    if (!persistent && !work_at(blockIdx.x).blk.valid) { return; }
 
     if (tid == 0) {
-        shared.kv_ring.init(1);  // the store warp frees a stage
+        shared.kv_ring.init(1);  // (a persistent CTA's store warp frees a stage)
         shared.q_ring.init(Traits::kConsumerThreads / 32);
         shared.do_ring.init(Traits::kConsumerThreads / 32);
         if constexpr (Traits::kKeyPair) { DsExchange<Traits>::init(shared); }
@@ -241,132 +359,60 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     } else {
         __syncthreads();
     }
+    if constexpr (Traits::kKVStages > 1) {
+        if (persistent) {
+            persistent_tiles<Traits>(args, shared, work_at, reverse, tid);
+            return;
+        }
+    }
 
-    RingState<Traits::kKVStages> kv_state;
+    // One tile: the K/V ring's first stage, the rings from their start.
+    RingState<Traits::kKVStages> const kv_state;
+    RingState<Traits::kQStages> q_state;
+    RingState<Traits::kdOStages> do_state;
     if (tid < 128) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-        int const warp = tid / 32, lane = tid % 32;
-        if (warp == 0) {
-            RingState<Traits::kQStages> q_state;
-            RingState<Traits::kdOStages> do_state;
-            auto next_index = [&] {
-                if (gridDim.x >= unsigned(args.blocks)) { return args.blocks; }
-                int next = 0;
-                if (lane == 0) { next = int(gridDim.x) + atomicAdd(params.tile_counter, 1); }
-                return __shfl_sync(0xffffffffu, next, 0);
-            };
-            for (int index = block_index_reread();; index = next_index()) {
-                bool const end = index >= args.blocks;
-                KeyBlockWork const work = work_at(end ? 0 : index);
-                if (!end && !work.blk.valid) { continue; }
-                if (cute::elect_one_sync()) {
-                    shared.kv_ring.wait_free(kv_state);
-                    shared.tile_index[kv_state.index] = end ? args.blocks : index;
-                    if (end) {
-                        shared.kv_ring.announce(kv_state, 0);
-                    } else {
-                        load_bwd<Traits>(args, shared, work, kv_state, q_state, do_state);
-                    }
-                }
-                __syncwarp();
-                if (end || !persistent) { break; }
-                kv_state.advance();
-            }
-        } else if (warp == 1) {
-            // A CTA of one tile has a loop-free path of its own: at 24 registers, the loop's state spilled into the
-            // deterministic mode's semaphore chain (d 128 5% slower).
-            auto tile_work = [&](KeyBlockWork const& work, int index) {
-                if constexpr (!Traits::kKeyPair) {
-                    if (work.iterations(params) > 0) { store_dq<Traits>(params, shared, work, reverse, lane); }
-                }
-                // A split tile (batched): its last part stores the sums, from this warp if persistent.
-                if (index >= args.tail.first) {
-                    int const tile = (index - args.tail.first) / args.tail.parts;
-                    return count_tile_part<Traits>(params, tile, args.tail.parts, kv_state.index, lane);
-                }
-                return false;
-            };
-            if (!persistent) {
-                int const index = block_index_reread();
-                if (KeyBlockWork const work = work_at(index); work.blk.valid) { tile_work(work, index); }
-                return;
-            }
-            for (;; kv_state.advance()) {
-                int const index = tile_of(kv_state);
-                if (index >= args.blocks) { break; }
-                KeyBlockWork const work = work_at(index);
-                if (tile_work(work, index)) {
-                    split_tile_last<Traits>(false);  // the consumers have staged the sums
-                    if (lane == 0) { store_key_gradient_tiles<Traits>(args, shared, work, kv_state.index); }
-                } else if (index < args.tail.first) {
-                    store_key_gradients<Traits>(args, shared, work, kv_state.index, lane);
-                }
-                __syncwarp();
-                shared.kv_ring.release(kv_state);
-            }
+        KeyBlockWork const work = work_at(block_index_reread());
+        bool const has_work = work.iterations(params) > 0;
+        int const warp = tid / 32;
+        if (warp == 0 && has_work && cute::elect_one_sync()) {
+            load_bwd<Traits>(args, shared, work, kv_state, q_state, do_state);
+        }
+        if constexpr (!Traits::kKeyPair) {
+            if (warp == 1 && has_work) { store_dq<Traits>(params, shared, work, reverse, tid % 32); }
         }
         return;
     }
 
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    KeyBlockWork const work = work_at(block_index_reread());
+    SeqlenInfo const& seq = work.seq;
+    TileCoord const& blk = work.blk;
     int const ctid = tid - 128;
-    RingState<Traits::kQStages> q_state;
-    RingState<Traits::kdOStages> do_state;
-    for (;; kv_state.advance()) {
-        int const index = tile_of(kv_state);
-        if (index >= args.blocks) { break; }
-        KeyBlockWork const work = work_at(index);
-        if (!work.blk.valid) { break; }
-        SeqlenInfo const& seq = work.seq;
-        TileCoord const& blk = work.blk;
-        typename Traits::TiledMmadKV mma_dkv;
-        Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-        Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-        clear(acc_dk);
-        clear(acc_dv);
-        shared.kv_ring.wait(kv_state);  // (in a persistent CTA, done by tile_of)
-        if (work.iterations(params) > 0) {
-            consume_bwd<Traits>(params, shared, work, ctid, kv_state.index, q_state, do_state, acc_dk, acc_dv);
-        }
-        bool const batched = params.cu_seqlens_k == nullptr && params.seqused_k == nullptr;
-        if (index >= args.tail.first) {
-            // A split tile (batched only): every part adds into the sums, the last one to be counted stores them.
-            int const tile = (index - args.tail.first) / args.tail.parts;
-            add_tile_part<Traits>(params, tile, acc_dk, acc_dv, ctid);
-            hand_over_key_gradients<Traits>(kv_state.index);
-            if (!split_tile_last<Traits>(false)) {
-                if (!persistent) { break; }
-                continue;
-            }
-            read_tile_sums<Traits>(params, tile, acc_dk, acc_dv, ctid);
-            stage_key_gradients<Traits>(shared, kv_state.index, params.softmax_scale, acc_dk, acc_dv, ctid);
-            if (persistent) {
-                split_tile_last<Traits>(false);  // staged, for the store warp
-                continue;
-            }
-            sync_consumers<Traits::kConsumerThreads>();
-            if (ctid == 0) { store_key_gradient_tiles<Traits>(args, shared, work, kv_state.index); }
-            break;
-        }
-
-        // A key block that no query sees stores zeros.
-        if (batched) {
-            stage_key_gradients<Traits>(shared, kv_state.index, params.softmax_scale, acc_dk, acc_dv, ctid);
-            if (!persistent) {
-                sync_consumers<Traits::kConsumerThreads>();
-                if (ctid == 0) { store_key_gradient_tiles<Traits>(args, shared, work, kv_state.index); }
-                break;
-            }
-            hand_over_key_gradients<Traits>(kv_state.index);
-        } else {
-            if (persistent) { hand_over_key_gradients<Traits>(kv_state.index); }
-            store_key_gradient<Traits>(acc_dk, params.softmax_scale, params, seq, blk, params.dk,
-                                       params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride, ctid);
-            store_key_gradient<Traits>(acc_dv, 1.f, params, seq, blk, params.dv, params.dv_batch_stride,
-                                       params.dv_row_stride, params.dv_head_stride, ctid);
-            if (!persistent) { break; }
-        }
+    typename Traits::TiledMmadKV mma_dkv;
+    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    clear(acc_dk);
+    clear(acc_dv);
+    if (work.iterations(params) > 0) {
+        consume_bwd<Traits>(params, shared, work, ctid, kv_state, q_state, do_state, acc_dk, acc_dv);
     }
+    if (int const index = block_index_reread(); index >= args.tail.first) {
+        int const tile = (index - args.tail.first) / args.tail.parts;
+        if (!sum_tile_parts<Traits>(params, tile, args.tail.parts, acc_dk, acc_dv, ctid)) { return; }
+    }
+
+    // A key block that no query sees stores zeros.
+    if (params.cu_seqlens_k == nullptr && params.seqused_k == nullptr) {
+        stage_key_gradients<Traits>(shared, kv_state.index, params.softmax_scale, acc_dk, acc_dv, ctid);
+        sync_consumers<Traits::kConsumerThreads>();
+        if (ctid == 0) { store_key_gradient_tiles<Traits>(args, shared, work, kv_state.index); }
+        return;
+    }
+    store_key_gradient<Traits>(acc_dk, params.softmax_scale, params, seq, blk, params.dk, params.dk_batch_stride,
+                               params.dk_row_stride, params.dk_head_stride, ctid);
+    store_key_gradient<Traits>(acc_dv, 1.f, params, seq, blk, params.dv, params.dv_batch_stride, params.dv_row_stride,
+                               params.dv_head_stride, ctid);
 }
 
 }  // namespace flash::sm90

@@ -347,10 +347,11 @@ __device__ __forceinline__ void store_dq(BwdParams const& params, typename Trait
 }
 
 // Consumer warpgroups (ctid: thread index among them): accumulate the tile's dK and dV (unscaled) in registers, and
-// add each query block's dQ into the workspace. The caller has waited for K/V stage kv_stage.
+// add each query block's dQ into the workspace. K and V are in K/V stage kv_state, once full.
 template <class Traits, class AccKV>
 __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Traits::SharedStorage& shared,
-                                            KeyBlockWork const& work, int ctid, int kv_stage,
+                                            KeyBlockWork const& work, int ctid,
+                                            RingState<Traits::kKVStages> const& kv_state,
                                             RingState<Traits::kQStages>& q_state,
                                             RingState<Traits::kdOStages>& do_state, AccKV& acc_dk, AccKV& acc_dv) {
     using Element = typename Traits::Element;
@@ -363,7 +364,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
 
     Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutdO{});
-    kv_stage = Traits::uniform_stage(kv_stage);
+    int const kv_stage = Traits::uniform_stage(kv_state.index);
     Tensor sK = make_tensor(make_smem_ptr(Traits::k_buffer(shared, kv_stage)), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(Traits::v_buffer(shared, kv_stage)), typename Traits::SmemLayoutV{});
     Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdS{});
@@ -448,6 +449,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     bool const foreign_q = params.cu_seqlens_q != nullptr || params.seqused_q != nullptr;
     bool const foreign_k = params.cu_seqlens_k != nullptr || params.seqused_k != nullptr;
 
+    shared.kv_ring.wait(kv_state);
     // The other block of a pair holds keys past its own end too (kKeyPair: when its block is the second).
     int const peer_col0 = kPair ? (n_block ^ 1) * kBlockN : col0;
     if (foreign_k && max(col0, peer_col0) + kBlockN > seq.k.len) {
