@@ -197,6 +197,25 @@ __device__ __forceinline__ bool sum_tile_parts(BwdParams const& params, int tile
     return true;
 }
 
+// Consumers: a tile's dK and dV (unscaled), accumulated over its steps (zero for a tile that no query sees).
+template <class Traits>
+__device__ __forceinline__ auto key_gradients(BwdParams const& params, typename Traits::SharedStorage& shared,
+                                              KeyBlockWork const& work, int ctid,
+                                              RingState<Traits::kKVStages> const& kv_state,
+                                              RingState<Traits::kQStages>& q_state,
+                                              RingState<Traits::kdOStages>& do_state) {
+    typename Traits::TiledMmadKV mma_dkv;
+    auto acc = cute::make_tuple(
+        partition_fragment_C(mma_dkv, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}),
+        partition_fragment_C(mma_dkv, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}));
+    clear(get<0>(acc));
+    clear(get<1>(acc));
+    if (work.iterations(params) > 0) {
+        consume_bwd<Traits>(params, shared, work, ctid, kv_state, q_state, do_state, get<0>(acc), get<1>(acc));
+    }
+    return acc;
+}
+
 // A persistent CTA (launch_bwd's grid of one CTA per SM where BwdTraits::kKVStages is 2 and tiles are short): tiles
 // from block index blockIdx.x on, then gridDim.x plus the count taken so far from params.tile_counter, so that the SMs
 // that finish first take the next tiles (under a causal mask, the longest first). The producer takes them (skipping
@@ -209,7 +228,6 @@ template <class Traits, class WorkAt>
 __device__ __forceinline__ void persistent_tiles(BwdKernelParams<Traits> const& args,
                                                  typename Traits::SharedStorage& shared, WorkAt const& work_at,
                                                  bool reverse, int tid) {
-    constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     BwdParams const& params = args.p;
     RingState<Traits::kKVStages> kv_state;
     auto tile_of = [&] {
@@ -272,14 +290,7 @@ __device__ __forceinline__ void persistent_tiles(BwdKernelParams<Traits> const& 
         int const index = tile_of();
         if (index >= args.blocks) { break; }
         KeyBlockWork const work = work_at(index);
-        typename Traits::TiledMmadKV mma_dkv;
-        Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-        Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-        clear(acc_dk);
-        clear(acc_dv);
-        if (work.iterations(params) > 0) {
-            consume_bwd<Traits>(params, shared, work, ctid, kv_state, q_state, do_state, acc_dk, acc_dv);
-        }
+        auto [acc_dk, acc_dv] = key_gradients<Traits>(params, shared, work, ctid, kv_state, q_state, do_state);
         if (index >= args.tail.first) {
             // A split tile (batched only): every part adds into the sums; the store warp counts the parts in, and
             // the last one's consumers stage the sums for it.
@@ -309,7 +320,7 @@ __device__ __forceinline__ void persistent_tiles(BwdKernelParams<Traits> const& 
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdKernelParams<Traits> const args) {
-    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
     BwdParams const& params = args.p;
     extern __shared__ __align__(1024) char smem_buf[];
     auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
@@ -389,14 +400,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     SeqlenInfo const& seq = work.seq;
     TileCoord const& blk = work.blk;
     int const ctid = tid - 128;
-    typename Traits::TiledMmadKV mma_dkv;
-    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-    clear(acc_dk);
-    clear(acc_dv);
-    if (work.iterations(params) > 0) {
-        consume_bwd<Traits>(params, shared, work, ctid, kv_state, q_state, do_state, acc_dk, acc_dv);
-    }
+    auto [acc_dk, acc_dv] = key_gradients<Traits>(params, shared, work, ctid, kv_state, q_state, do_state);
     if (int const index = block_index_reread(); index >= args.tail.first) {
         int const tile = (index - args.tail.first) / args.tail.parts;
         if (!sum_tile_parts<Traits>(params, tile, args.tail.parts, acc_dk, acc_dv, ctid)) { return; }
