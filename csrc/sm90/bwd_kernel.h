@@ -318,8 +318,10 @@ __device__ __forceinline__ void persistent_tiles(BwdKernelParams<Traits> const& 
     }
 }
 
-template <class Traits>
+// kPersistent: a grid of one CTA per SM walking the tiles (persistent_tiles), else one CTA per tile.
+template <class Traits, bool kPersistent = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdKernelParams<Traits> const args) {
+    static_assert(!kPersistent || Traits::kKVStages > 1);
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
     BwdParams const& params = args.p;
     extern __shared__ __align__(1024) char smem_buf[];
@@ -353,8 +355,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         if constexpr (Traits::kKeyPair) { blk.block = 2 * blk.block + int(cute::block_rank_in_cluster()); }
         return KeyBlockWork{blk, seq, window, m_range, part, parts};
     };
-    bool const persistent = Traits::kKVStages > 1 && gridDim.x < unsigned(args.blocks);
-    if (!persistent && !work_at(blockIdx.x).blk.valid) { return; }
+    if (!kPersistent && !work_at(blockIdx.x).blk.valid) { return; }
 
     if (tid == 0) {
         shared.kv_ring.init(1);  // (a persistent CTA's store warp frees a stage)
@@ -370,11 +371,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     } else {
         __syncthreads();
     }
-    if constexpr (Traits::kKVStages > 1) {
-        if (persistent) {
-            persistent_tiles<Traits>(args, shared, work_at, reverse, tid);
-            return;
-        }
+    if constexpr (kPersistent) {
+        persistent_tiles<Traits>(args, shared, work_at, reverse, tid);
+        return;
     }
 
     // One tile: the K/V ring's first stage, the rings from their start.
