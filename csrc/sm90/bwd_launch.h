@@ -142,8 +142,8 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
         // persistent loop lost its wgmma descriptors' uniform registers (23 R2UR) and spilled more.
         int64_t const steps = int64_t((params.sq + kBlockM - 1) / kBlockM) * params.h_per_hk;
         bool const masked = params.window_left >= 0 || params.window_right >= 0;
-        bool const persistent = !params.deterministic && hints.num_sms > 0 && main_blocks > hints.num_sms &&
-                                steps <= (masked ? 64 : 32);
+        bool const persistent = Traits::kKVStages > 1 && !params.deterministic && hints.num_sms > 0 &&
+                                main_blocks > hints.num_sms && steps <= (masked ? 64 : 32);
         if constexpr (Traits::kKVStages > 1) {
             if (persistent) {
                 if (cudaError_t err = allow_smem<&bwd_kernel<Traits, true>>(kSmem, hints.device); err != cudaSuccess) {
@@ -152,9 +152,7 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
                 bwd_kernel<Traits, true><<<unsigned(hints.num_sms), Traits::kNThreads, kSmem, stream>>>(args);
             }
         }
-        if (Traits::kKVStages == 1 || !persistent) {
-            bwd_kernel<Traits><<<unsigned(main_blocks), Traits::kNThreads, kSmem, stream>>>(args);
-        }
+        if (!persistent) { bwd_kernel<Traits><<<unsigned(main_blocks), Traits::kNThreads, kSmem, stream>>>(args); }
         if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
     }
 
