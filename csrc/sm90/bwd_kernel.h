@@ -318,10 +318,10 @@ __device__ __forceinline__ void persistent_tiles(BwdKernelParams<Traits> const& 
     }
 }
 
-// kPersistent: a grid of one CTA per SM walking the tiles (persistent_tiles), else one CTA per tile.
-template <class Traits, bool kPersistent = false>
+// Traits::kKVStages 2: a grid of one CTA per SM walking the tiles (persistent_tiles), else one CTA per tile.
+template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdKernelParams<Traits> const args) {
-    static_assert(!kPersistent || Traits::kKVStages > 1);
+    constexpr bool kPersistent = Traits::kKVStages > 1;
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
     BwdParams const& params = args.p;
     extern __shared__ __align__(1024) char smem_buf[];

@@ -62,6 +62,21 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
     if (main_blocks > INT_MAX || convert_blocks > INT_MAX) {
         return cudaErrorInvalidConfiguration;
     }
+    if constexpr (Traits::kKVStages > 1) {
+        // kKVStages 2: a persistent kernel, one CTA per SM, each walking tiles, where a tile's fixed cost (K and V
+        // arriving, the dK / dV store) is a large part of it: a persistent CTA loads the next tile's K and V under
+        // the current tile and leaves the store to its store warp. Measured at d 64 on an H100 (2026-11-27) against
+        // one CTA per tile, non-causal / causal: 2k (16 steps of 128 query rows a tile) +3.1% / +5.9%, 4k +3.6% /
+        // +6.1%, 8k causal +3.9%; 16k -1.7% / -1.8%. Deterministic calls keep one CTA per tile, whose launch order is
+        // the dQ order. Other calls take Traits::OneTile, whose single K/V buffer leaves more of the SM's memory to
+        // L1 (the second buffer cost the one-tile kernel 1-3%).
+        int64_t const steps = int64_t((params.sq + kBlockM - 1) / kBlockM) * params.h_per_hk;
+        bool const masked = params.window_left >= 0 || params.window_right >= 0;
+        if (params.deterministic || hints.num_sms <= 0 || main_blocks <= hints.num_sms ||
+            steps > (masked ? 64 : 32)) {
+            return launch_bwd<typename Traits::OneTile>(params, hints, tail, stream);
+        }
+    }
 
     bwd_preprocess_tiles_kernel<Element, kBlockM, kHeadDim>
         <<<unsigned(convert_blocks), kPreprocessThreads, 0, stream>>>(params);
@@ -133,26 +148,9 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
             return err;
         }
     } else {
-        // Traits::kKVStages 2: one CTA per SM (bwd_kernel<Traits, true>), each walking tiles, where a tile's fixed
-        // cost (K and V arriving, the dK / dV store) is a large part of it: a persistent CTA loads the next tile's K
-        // and V under the current tile and leaves the store to its store warp. Measured at d 64 on an H100
-        // (2026-11-27) against one CTA per tile, non-causal / causal: 2k (16 steps of 128 query rows a tile) +3.1% /
-        // +5.9%, 4k +3.6% / +6.1%, 8k causal +3.9%; 16k -1.7% / -1.8%. Deterministic calls keep one CTA per tile,
-        // whose launch order is the dQ order. A kernel of its own: beside the one-tile roles in one kernel, the
-        // persistent loop lost its wgmma descriptors' uniform registers (23 R2UR) and spilled more.
-        int64_t const steps = int64_t((params.sq + kBlockM - 1) / kBlockM) * params.h_per_hk;
-        bool const masked = params.window_left >= 0 || params.window_right >= 0;
-        bool const persistent = Traits::kKVStages > 1 && !params.deterministic && hints.num_sms > 0 &&
-                                main_blocks > hints.num_sms && steps <= (masked ? 64 : 32);
-        if constexpr (Traits::kKVStages > 1) {
-            if (persistent) {
-                if (cudaError_t err = allow_smem<&bwd_kernel<Traits, true>>(kSmem, hints.device); err != cudaSuccess) {
-                    return err;
-                }
-                bwd_kernel<Traits, true><<<unsigned(hints.num_sms), Traits::kNThreads, kSmem, stream>>>(args);
-            }
-        }
-        if (!persistent) { bwd_kernel<Traits><<<unsigned(main_blocks), Traits::kNThreads, kSmem, stream>>>(args); }
+        // Traits::kKVStages 2: one CTA per SM walking the tiles (see the choice above).
+        unsigned const grid = Traits::kKVStages > 1 ? unsigned(hints.num_sms) : unsigned(main_blocks);
+        bwd_kernel<Traits><<<grid, Traits::kNThreads, kSmem, stream>>>(args);
         if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
     }
 

@@ -184,6 +184,11 @@ struct BwdTraits {
     // warp stores its dK and dV out of that buffer while the consumers start tile t + 1.
     static constexpr int kKVStages = kTile.kv_stages;
     static_assert(kKVStages == 1 || (kKVStages == 2 && !kKeyPair));
+    // The same tile with one K/V buffer, for the calls that launch_bwd gives one CTA per tile.
+    using OneTile = BwdTraits<kHeadDim_,
+                              BwdTile{.block_m = kTile.block_m, .block_n = kTile.block_n, .q_stages = kTile.q_stages,
+                                      .do_stages = kTile.do_stages, .key_pair = kTile.key_pair, .kv_stages = 1},
+                              Element_>;
     static constexpr int kConsumerWarpGroups = kSplitHeadDim ? 2 : kBlockN / 64;
     static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
     static constexpr int kNThreads = kConsumerThreads + 128;
