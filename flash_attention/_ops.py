@@ -7,6 +7,7 @@ The ops are what torch.compile traces and what `opcheck` checks. An eager call d
 machinery around a Python op (its overhead is several times the rest of the host path on a decode step), so
 `attention` skips it when nothing traces or intercepts the call: a call that needs no gradient runs the kernel
 directly, and one that does gets the binding's C++ autograd node (`_differentiable`), whose backward runs no Python.
+The most common batched calls skip the layers above too (interface._common_forward, with the routes found here).
 """
 
 import functools
@@ -394,14 +395,15 @@ def _eager(q, k, v) -> bool:
 
 
 # (device index, head dim, dtype, tier override) -> (forward's kernel head dim and tier id, then the backward's, or
-# None where the build lacks a backward kernel): a differentiable eager call finds both with one lookup.
-_autograd_routes = {}
+# None where the build lacks a backward kernel): a differentiable eager call finds both with one lookup, and
+# interface._common_forward reads this without a call.
+autograd_routes = {}
 
 
-def _autograd_route(q: torch.Tensor, tier: Optional[str]):
+def autograd_route(q: torch.Tensor, tier: Optional[str]):
     override = _dispatch.requested_tier(tier)
     key = (q.get_device(), q.shape[-1], q.dtype, override)
-    route = _autograd_routes.get(key)
+    route = autograd_routes.get(key)
     if route is None:
         fwd_tier, fwd_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, override)  # raises uncached
         try:
@@ -409,7 +411,7 @@ def _autograd_route(q: torch.Tensor, tier: Optional[str]):
             route = (fwd_dim, fwd_tier, bwd_dim, bwd_tier)
         except RuntimeError:
             route = (fwd_dim, fwd_tier, None, None)
-        _autograd_routes[key] = route
+        autograd_routes[key] = route
     return route
 
 
@@ -419,7 +421,7 @@ def _differentiable(q, k, v, args) -> Tuple[torch.Tensor, torch.Tensor]:
     forward still runs: the Python twin defers the backward's lookup, and its error, to the backward."""
     if nothing_to_compute(q, k, args[0]):
         return _EagerAttention.apply(q, k, v, args)
-    route = _autograd_route(q, args[-1])
+    route = autograd_route(q, args[-1])
     if route[2] is None:
         return _EagerAttention.apply(q, k, v, args)
     out, lse = _dispatch.load_extension().attention_autograd(q, k, v, *args[:-1], *route)

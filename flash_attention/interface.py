@@ -1,11 +1,12 @@
 """Public functions, with flash-attn 2.x's names, parameters and return conventions."""
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from . import _checks, _ops, _paged
+from . import _catalog, _checks, _dispatch, _ops, _paged
 
 
 def normalize_window(window_size: Sequence[int], causal: bool, seqlen_q: int, seqlen_k: int) -> Tuple[int, int]:
@@ -98,7 +99,66 @@ def _attention(q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes,
     return (out[..., :d] if d % 8 else out), lse
 
 
+_DTYPES = tuple(_dispatch.DTYPE_NAMES)
+
+
+def _common_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                    tier):
+    """_forward's (out, lse) of the most common eager calls by the shortest path, or None for the general path below.
+    On a slow host each Python layer of that path costs microseconds a call (issue 18), so this one function does
+    what the layers would do for the calls it takes: plain CUDA tensors of a (device, head dim, dtype) whose kernels
+    are found (_ops.autograd_route), valid as check_inputs' first line would pass them, head dim a multiple of 8,
+    no alibi, window, softcap, dropout or tier argument, softmax_scale None or a finite float, and something to
+    compute. It leaves to the general path the GQA decode row (packed there) of a differentiable call."""
+    if not (alibi_slopes is None and tier is None and type(dropout_p) is float and dropout_p == 0.0
+            and type(softcap) is float and softcap == 0.0 and type(window_size) is tuple and window_size == _NO_WINDOW
+            and (causal is True or causal is False) and (deterministic is True or deterministic is False)
+            and (softmax_scale is None or type(softmax_scale) is float and -math.inf < softmax_scale < math.inf)
+            and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0):
+        return None
+    qs, ks = q.shape, k.shape
+    if not (len(qs) == 4 and len(ks) == 4 and v.shape == ks and q.dtype in _DTYPES and k.dtype == q.dtype
+            and v.dtype == q.dtype):
+        return None
+    b, sq, h, d = qs
+    _, sk, hk, _ = ks
+    if not (b and sq and sk and h and hk and d and ks[0] == b and ks[3] == d and d % 8 == 0
+            and d <= _catalog.MAX_HEAD_DIM and h % hk == 0):
+        return None
+    device = q.get_device()
+    if k.get_device() != device or v.get_device() != device:
+        return None
+    window = (-1, 0 if causal and sq > 1 else -1)  # normalize_window's: one row sees every key
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not grad and sq <= 64:
+        route = _ops.decode_route(q, None)
+        return None if route is None else _decode_forward(q, k, v, softmax_scale, window, 0.0, None, route)
+    if grad and sq == 1 and h > hk:
+        return None
+    route = _ops.autograd_routes.get((device, d, q.dtype, _dispatch.requested_tier(None)))
+    if route is None:  # the first call of this (device, head dim, dtype), or not a CUDA one
+        if not q.is_cuda:
+            return None
+        try:
+            route = _ops.autograd_route(q, None)
+        except RuntimeError:  # no kernel: the general path raises why
+            return None
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    ext = _dispatch.load_extension()
+    if not grad:
+        return ext.fwd(q, k, v, None, None, None, None, 0, 0, scale, *window, 0.0, None, route[0], route[1])
+    if route[2] is None:
+        return None
+    return ext.attention_autograd(q, k, v, None, None, None, None, 0, 0, scale, *window, 0.0, None, deterministic,
+                                  *route)
+
+
 def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, tier):
+    common = _common_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                             deterministic, tier)
+    if common is not None:
+        return common
     softmax_scale, causal, window_size, softcap, deterministic = _scalar_options(
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
     _checks.check_inputs(q, k, v, alibi_slopes, tier)

@@ -241,7 +241,7 @@ def test_resolve_reads_the_override_on_every_call(fake_device, monkeypatch):
 
 
 class CudaLike:
-    """What _ops._autograd_route reads of q, as a bf16 CUDA tensor on device 0 would give it."""
+    """What _ops.autograd_route reads of q, as a bf16 CUDA tensor on device 0 would give it."""
 
     def __init__(self, head_dim):
         self.shape, self.dtype, self.device = (1, 1, 1, head_dim), torch.bfloat16, torch.device("cuda", 0)
@@ -250,17 +250,17 @@ class CudaLike:
         return 0
 
 
-def test_autograd_route(fake_device, monkeypatch):
+def testautograd_route(fake_device, monkeypatch):
     """A differentiable eager call's two kernels, (forward's head dim, tier, backward's head dim, tier): worked out
     once per key, the override read on every call, and None for a backward the build lacks (its error comes at the
     backward)."""
-    monkeypatch.setattr(_ops, "_autograd_routes", {})
+    monkeypatch.setattr(_ops, "autograd_routes", {})
     for _ in range(2):
-        assert _ops._autograd_route(CudaLike(128), None) == (128, 90, 128, 80)
+        assert _ops.autograd_route(CudaLike(128), None) == (128, 90, 128, 80)
     assert fake_device == [0, 0]  # the forward's and the backward's resolution, once
     monkeypatch.setenv("FLASH_ATTN_TIER", "sm80")
-    assert _ops._autograd_route(CudaLike(128), None) == (128, 80, 128, 80)
-    assert _ops._autograd_route(CudaLike(64), None) == (64, 80, None, None)
+    assert _ops.autograd_route(CudaLike(128), None) == (128, 80, 128, 80)
+    assert _ops.autograd_route(CudaLike(64), None) == (64, 80, None, None)
 
 
 def test_resolve_errors_are_not_cached(fake_device, monkeypatch):

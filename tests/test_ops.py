@@ -40,7 +40,7 @@ def fake_binding(request, monkeypatch):
     binding = FakeBinding()
     monkeypatch.setattr(_dispatch, "_extension", binding)
     monkeypatch.setattr(_dispatch, "resolve", lambda device, kind, head_dim, dtype, tier: (80, 64))
-    monkeypatch.setattr(_ops, "_autograd_routes", {})  # routes found through the real resolve
+    monkeypatch.setattr(_ops, "autograd_routes", {})  # routes found through the real resolve
     if request.param == "op":
         monkeypatch.setattr(_ops, "_eager", lambda q, k, v: False)
     binding.path = request.param

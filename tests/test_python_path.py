@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from cpu_helpers import CU_K, CU_Q, call_varlen, int32, leaves, make_qkv, make_varlen, rand, varlen_ref
-from flash_attention import (_checks, _ops, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+from flash_attention import (_checks, _dispatch, _ops, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                              flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+from flash_attention import interface
 from flash_attention.interface import normalize_window, pad_head_dim
 from helpers import bf16, fp16
 from reference import attention_mask, attention_ref
@@ -166,6 +167,139 @@ def test_empty_sequences_without_grad(no_extension, monkeypatch, b, sq, sk):
     q, k, v = make_qkv(b=b, sq=sq, sk=sk, d=64)
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
     assert out.shape == q.shape and not out.any() and lse.shape == (b, 4, sq) and (lse == float("-inf")).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The common calls' shortcut (interface._common_forward): the same binding call as the general path, or none
+
+class RecordingBinding:
+    """The extension's entries that _common_forward reaches, recording their arguments; each returns (out, lse)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _record(self, entry, q, k, v, args):
+        self.calls.append((entry, (q, k, v) + args))
+        b, rows, h, _ = q.shape
+        return [torch.zeros_like(q), torch.zeros(b, h, rows)]
+
+    def attention_autograd(self, q, k, v, *args):
+        return self._record("attention_autograd", q, k, v, args)
+
+    def fwd(self, q, k, v, *args):
+        return self._record("fwd", q, k, v, args)
+
+    def fwd_split(self, q, k, v, *args):
+        return self._record("fwd_split", q, k, v, args)
+
+
+@pytest.fixture
+def routed_cpu(monkeypatch):
+    """CPU tensors routed as if a call had found their kernels (device index -1, the CPU's get_device()), with the
+    binding replaced by a RecordingBinding; returns it."""
+    binding = RecordingBinding()
+    monkeypatch.setattr(_dispatch, "_extension", binding)
+    monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
+    for d, dtype in itertools.product((16, 64, 264), (fp16, bf16)):
+        monkeypatch.setitem(_ops.autograd_routes, (-1, d, dtype, None), (d, 90, d, 90))
+    monkeypatch.setattr(_dispatch, "resolve", lambda device, kind, head_dim, dtype, tier: (90, head_dim))
+    monkeypatch.setattr(_ops, "decode_route",
+                        lambda q, tier: _ops.DecodeRoute(80, q.shape[-1], 80, 132) if q.shape[-1] in (16, 64) else None)
+    return binding
+
+
+def same_arguments(mine, theirs):
+    """Tensors the same objects, or equal with the same layout (a packed q is a new tensor each call); other values
+    equal and of one type."""
+    assert len(mine) == len(theirs)
+    for a, b in zip(mine, theirs):
+        if isinstance(b, torch.Tensor):
+            assert a is b or (torch.equal(a, b) and a.stride() == b.stride())
+        else:
+            assert a == b and type(a) is type(b)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+@pytest.mark.parametrize(
+    "shape, kwargs",
+    [
+        ((2, 70, 80, 4, 2, 64), {}),
+        ((2, 70, 80, 4, 2, 64), dict(causal=True)),
+        ((1, 1, 9, 4, 4, 16), dict(causal=True)),  # one causal row sees every key: no mask
+        ((2, 3, 9, 4, 2, 16), dict(causal=True)),  # no gradient: a decode step, GQA-packed
+        ((2, 1, 9, 8, 2, 64), {}),  # no gradient: a GQA decode row, packed by the binding
+        ((2, 65, 65, 4, 4, 16), dict(softmax_scale=0.3, deterministic=True)),
+        ((3, 100, 7, 2, 1, 64), dict(causal=True, window_size=(-1, -1), softcap=0.0, dropout_p=0.0)),
+    ],
+    ids=["mha", "causal", "one-row", "decode-rows", "decode-row", "scale-det", "explicit-defaults"],
+)
+def test_common_forward_matches_general_path(routed_cpu, monkeypatch, shape, kwargs, grad):
+    """Where the shortcut takes a call, the binding gets what the general path gives it, and the result returns as
+    flash_attn_func's."""
+    b, sq, sk, h, hk, d = shape
+    if grad and sq == 1 and h > hk:
+        pytest.skip("a differentiable GQA decode row is packed by the general path alone (test_common_forward_declines)")
+    q, k, v = make_qkv(b=b, sq=sq, sk=sk, h=h, hk=hk, d=d)
+    q.requires_grad_(grad)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+    (fast,) = routed_cpu.calls
+    routed_cpu.calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(interface, "_common_forward", lambda *args: None)
+        flash_attn_func(q, k, v, **kwargs)
+    (general,) = routed_cpu.calls
+    entry = "attention_autograd" if grad else "fwd_split" if sq <= 64 else "fwd"
+    assert fast[0] == general[0] == entry
+    same_arguments(fast[1], general[1])
+    assert out.shape == q.shape and lse.shape == (b, h, sq)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(kwargs=dict(window_size=(3, -1))), dict(kwargs=dict(window_size=[-1, -1])),
+        dict(kwargs=dict(softcap=1.0)), dict(kwargs=dict(dropout_p=0)), dict(kwargs=dict(tier="sm80")),
+        dict(kwargs=dict(alibi_slopes=torch.rand(4))), dict(kwargs=dict(causal=1)),
+        dict(kwargs=dict(deterministic=0)), dict(kwargs=dict(softmax_scale=float("nan"))),
+        dict(kwargs=dict(softmax_scale=torch.tensor(0.3))),
+        dict(d=24),  # not routed
+        dict(d=13),  # padded
+        dict(d=264),  # above the largest head dim
+        dict(dtype=torch.float32), dict(sq=1, h=4, hk=2), dict(h=4, hk=3), dict(sq=0), dict(sk=0), dict(b=0),
+    ],
+    ids=["window", "window-list", "softcap", "dropout-int", "tier", "alibi", "causal-int", "deterministic-int",
+         "scale-nan", "scale-tensor", "unrouted", "padded", "head-dim-264", "fp32", "gqa-decode-row", "gqa-ratio",
+         "sq0", "sk0", "b0"],
+)
+def test_common_forward_declines(routed_cpu, change):
+    """Every differentiable call outside the shortcut's reach goes to the general path: _common_forward returns None
+    and calls nothing."""
+    sizes = dict(b=2, sq=6, sk=9, h=4, hk=4, d=16, dtype=bf16)
+    sizes.update({key: value for key, value in change.items() if key in sizes})
+    q, k, v = leaves(*make_qkv(**sizes))
+    kwargs = dict(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                  alibi_slopes=None, deterministic=False, tier=None)
+    kwargs.update(change.get("kwargs", {}))
+    assert interface._common_forward(q, k, v, *kwargs.values()) is None
+    assert not routed_cpu.calls
+
+
+def test_common_forward_takes_only_plain_eager_tensors(routed_cpu, monkeypatch):
+    """A tensor subclass, a dispatch mode or tracing goes to the general path."""
+    q, k, v = leaves(*make_qkv(d=16, hk=4))
+    args = (0.0, None, False, (-1, -1), 0.0, None, False, None)
+    assert interface._common_forward(q, k, v, *args) is not None
+    assert interface._common_forward(q.as_subclass(torch.nn.Parameter), k, v, *args) is None
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        assert interface._common_forward(q, k, v, *args) is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert interface._common_forward(q, k, v, *args) is None
 
 
 class Traced(Exception):
