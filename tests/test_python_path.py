@@ -284,6 +284,21 @@ def test_common_forward_declines(routed_cpu, change):
     assert not routed_cpu.calls
 
 
+def test_common_forward_follows_the_tier_variable(routed_cpu, monkeypatch):
+    """FLASH_ATTN_TIER, read on every call, picks the route the shortcut takes, as it does the general path's."""
+    q, k, v = leaves(*make_qkv(d=16, hk=4, dtype=bf16))
+    monkeypatch.setitem(_ops.autograd_routes, (-1, 16, bf16, "sm80"), (16, 80, 16, 80))
+    flash_attn_func(q, k, v)
+    monkeypatch.setenv("FLASH_ATTN_TIER", "sm80")
+    flash_attn_func(q, k, v)
+    monkeypatch.setenv("FLASH_ATTN_TIER", "sm100")  # not routed: the general path
+    with monkeypatch.context() as m:
+        m.setattr(_ops, "autograd_route", lambda q, tier: (16, 100, 16, 100))
+        flash_attn_func(q, k, v)
+    default, sm80, sm100 = (args[-4:] for _, args in routed_cpu.calls)
+    assert default == (16, 90, 16, 90) and sm80 == (16, 80, 16, 80) and sm100 == (16, 100, 16, 100)
+
+
 def test_common_forward_takes_only_plain_eager_tensors(routed_cpu, monkeypatch):
     """A tensor subclass, a dispatch mode or tracing goes to the general path."""
     q, k, v = leaves(*make_qkv(d=16, hk=4))
