@@ -12,7 +12,7 @@ import torch
 from ._catalog import MAX_HEAD_DIM
 from ._dispatch import DTYPE_NAMES, parse_tier_name
 
-_DTYPES = tuple(DTYPE_NAMES)
+INPUT_DTYPES = tuple(DTYPE_NAMES)
 CHECK_VARLEN_ENV_VAR = "FLASH_ATTN_CHECK_VARLEN"
 
 
@@ -30,7 +30,7 @@ def _qkv_valid(q, k, v, rank: int) -> bool:
     batched tensors (rank 4) one batch size."""
     if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
         qs, ks = q.shape, k.shape
-        return (q.dtype in _DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and len(qs) == rank
+        return (q.dtype in INPUT_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and len(qs) == rank
                 and len(ks) == rank and v.shape == ks and ks[-1] == qs[-1] and 1 <= qs[-1] <= MAX_HEAD_DIM
                 and ks[-2] >= 1 and qs[-2] % ks[-2] == 0 and qs[-2] >= 1 and (rank != 4 or ks[0] == qs[0]))
     return False
@@ -45,8 +45,8 @@ def _check_qkv(q, k, v, layouts) -> None:
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be {' or '.join(map(str, _DTYPES))}, got {t.dtype}")
+        if t.dtype not in INPUT_DTYPES:
+            raise TypeError(f"{name} must be {' or '.join(map(str, INPUT_DTYPES))}, got {t.dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     rank = len(layouts[0])

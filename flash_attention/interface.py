@@ -99,9 +99,6 @@ def _attention(q, k, v, sequences, softmax_scale, window, softcap, alibi_slopes,
     return (out[..., :d] if d % 8 else out), lse
 
 
-_DTYPES = tuple(_dispatch.DTYPE_NAMES)
-
-
 def _common_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                     tier):
     """_forward's (out, lse) of the most common eager calls by the shortest path, or None for the general path below.
@@ -118,7 +115,7 @@ def _common_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
             and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0):
         return None
     qs, ks = q.shape, k.shape
-    if not (len(qs) == 4 and len(ks) == 4 and v.shape == ks and q.dtype in _DTYPES and k.dtype == q.dtype
+    if not (len(qs) == 4 and len(ks) == 4 and v.shape == ks and q.dtype in _checks.INPUT_DTYPES and k.dtype == q.dtype
             and v.dtype == q.dtype):
         return None
     b, sq, h, d = qs
