@@ -42,14 +42,19 @@ def _check_dropout(dropout_p) -> None:
 _NO_WINDOW = (-1, -1)
 
 
+def _default_options(dropout_p, causal, window_size, softcap, deterministic) -> bool:
+    """Whether the scalars are as most calls pass them, with nothing to check or convert: no dropout, window or
+    softcap (as Python floats and a tuple), causal and deterministic bools."""
+    return (type(dropout_p) is float and dropout_p == 0.0 and type(window_size) is tuple and window_size == _NO_WINDOW
+            and type(softcap) is float and softcap == 0.0 and type(causal) is bool and type(deterministic) is bool)
+
+
 def _scalar_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic):
     """flash-attn 2's scalar arguments, checked, with flash-attn 2's conventions resolved: a negative window bound
     is unbounded and softcap <= 0 is off. Returns (softmax_scale, causal, window_size, softcap, deterministic) with
     Python values: a float or None, a bool, two ints >= -1, a float >= 0, a bool."""
-    if (type(dropout_p) is float and dropout_p == 0.0 and softmax_scale is None and type(causal) is bool
-            and type(window_size) is tuple and window_size == _NO_WINDOW and type(softcap) is float and softcap == 0.0
-            and type(deterministic) is bool):
-        return None, causal, _NO_WINDOW, 0.0, deterministic  # the defaults, as most calls pass them: nothing to check
+    if softmax_scale is None and _default_options(dropout_p, causal, window_size, softcap, deterministic):
+        return None, causal, _NO_WINDOW, 0.0, deterministic
     _check_dropout(dropout_p)
     scale = None if softmax_scale is None else _checks.as_float(softmax_scale)
     if scale is None and softmax_scale is not None:
@@ -105,11 +110,13 @@ def _common_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     On a slow host each Python layer of that path costs microseconds a call (issue 18), so this one function does
     what the layers would do for the calls it takes: plain CUDA tensors of a (device, head dim, dtype) whose kernels
     are found (_ops.autograd_route), valid as check_inputs' first line would pass them, head dim a multiple of 8,
-    no alibi, window, softcap, dropout or tier argument, softmax_scale None or a finite float, and something to
-    compute. It leaves to the general path the GQA decode row (packed there) of a differentiable call."""
-    if not (alibi_slopes is None and tier is None and type(dropout_p) is float and dropout_p == 0.0
-            and type(softcap) is float and softcap == 0.0 and type(window_size) is tuple and window_size == _NO_WINDOW
-            and (causal is True or causal is False) and (deterministic is True or deterministic is False)
+    the default options (_default_options) with softmax_scale None or a finite float, no alibi or tier argument, and
+    something to compute. It leaves to the general path the GQA decode row (packed there) of a differentiable call.
+    The tensor checks are _checks._qkv_valid's, written out here: calling it and reading the shapes again cost 0.6 us
+    a call on the development CPU (the GPU host runs Python about 2.7x slower), most of the eager forward's margin
+    over SDPA FLASH on issue 18's one-row shape (2.8 us, RESULTS.md session 46)."""
+    if not (alibi_slopes is None and tier is None
+            and _default_options(dropout_p, causal, window_size, softcap, deterministic)
             and (softmax_scale is None or type(softmax_scale) is float and -math.inf < softmax_scale < math.inf)
             and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
             and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0):
