@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from cpu_helpers import CU_K, CU_Q, call_varlen, int32, leaves, make_qkv, make_varlen, rand, varlen_ref
-from flash_attention import (_checks, _dispatch, _ops, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                             flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+from flash_attention import (_checks, _dispatch, _ops, flash_attn_func, flash_attn_kvpacked_func,
+                             flash_attn_qkvpacked_func, flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                             flash_attn_varlen_qkvpacked_func)
 from flash_attention import interface
 from flash_attention.interface import normalize_window, pad_head_dim
 from helpers import bf16, fp16
@@ -238,7 +239,7 @@ def test_common_forward_matches_general_path(routed_cpu, monkeypatch, shape, kwa
     flash_attn_func's."""
     b, sq, sk, h, hk, d = shape
     if grad and sq == 1 and h > hk:
-        pytest.skip("a differentiable GQA decode row is packed by the general path alone (test_common_forward_declines)")
+        pytest.skip("a differentiable GQA decode row: packed by the general path alone (test_common_forward_declines)")
     q, k, v = make_qkv(b=b, sq=sq, sk=sk, h=h, hk=hk, d=d)
     q.requires_grad_(grad)
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
