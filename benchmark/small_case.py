@@ -17,7 +17,7 @@ cu_seqlens/seqused are out of range (past the end, decreasing, negative): the ke
 rows, so memcheck must stay clean (the numbers are unspecified).
 
 --decode runs flash_attn_with_kvcache's calls instead (the SM80-tier decode kernels and the combine; on Hopper the
-SM90 forward's split partials for 130 rows of a contiguous cache or pages of 64 and 128): one and three query rows
+SM90 forward's split partials for 130 rows of a contiguous cache or pages of 16, 64 and 128): one and three query rows
 GQA-packed, and 130 rows, under a causal mask or a window, unsplit, in 3 chunks (on Hopper merged inside a cluster) and
 in 17 (merged by the combine kernel), a contiguous cache and caches paged in pages
 of 16, 3, 64 and 128 (shuffled), an empty, a partial and a full sequence, new keys appended."""
@@ -110,7 +110,7 @@ def decode_case(d):
             for window in ((-1, -1), (20, 0)):
                 flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, window_size=window,
                                         num_splits=num_splits)
-            for page in (16, 3, 64, 128):  # 64, 128: on Hopper, 130 rows take the SM90 forward's paged boxes
+            for page in (16, 3, 64, 128):  # on Hopper 130 rows take the SM90 forward's rows (16) or TMA (64, 128)
                 pages = cache_len // page
                 order = torch.randperm(b * pages, device="cuda")
                 k_pool, v_pool = (torch.empty(b * pages, page, hk, d, dtype=BF16, device="cuda") for _ in range(2))

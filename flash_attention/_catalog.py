@@ -73,7 +73,7 @@ TIERS = {
                  ("sm80",)),
     # Its d 256 key blocks of 80 columns need CuTe's wgmma shapes with N not a power of two.
     "sm90": Tier("sm90", 90, (90,), ((9, 0), (9, 0)),
-                 {"fwd": Kind("FwdParams", "sm90/fwd_launch.h", (64, 128, 256), page_multiple=64),
+                 {"fwd": Kind("FwdParams", "sm90/fwd_launch.h", (64, 128, 256), page_multiple=16),
                   "bwd": Kind("BwdParams", "sm90/bwd_launch.h", (64, 128, 256))},
                  ("sm90",), "a", ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), fallback="sm80"),
 }

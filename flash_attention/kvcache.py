@@ -12,12 +12,12 @@ cache_leftpad on), each sequence's keys cut into num_splits chunks (0: enough to
 whole call is) whose fp32 partials the combine kernel merges (on Hopper, up to 16 chunks merge inside a thread-block
 cluster instead). Decode-shaped calls run the SM80 tier's decode kernels, the query heads of a kv head packed as rows
 of one sequence (GQA packing, each packed row masked as its query row), so each K/V block is read once per kv head;
-prefill-shaped ones on Hopper run the SM90 forward, unpacked (a paged cache by TMA boxes from its pages, or, for pages
-of a size it does not read, from a contiguous copy that the pages are gathered into first). Otherwise, and under
-torch.compile, it is composed: pages or the entries that cache_batch_idx selects are gathered into a contiguous copy,
-and where exact (one query row, or no mask, and no window or ALiBi) the query heads are packed and the chunks attended
-to as sequences of their own in one varlen call, whose outputs flash_attn_combine merges by their lse (rounded to the
-input dtype before the merge). Not yet native: ALiBi.
+prefill-shaped ones on Hopper run the SM90 forward, unpacked (a paged cache by TMA or row by row from its pages, or,
+for pages of a size it does not read, from a contiguous copy that the pages are gathered into first). Otherwise, and
+under torch.compile, it is composed: pages or the entries that cache_batch_idx selects are gathered into a contiguous
+copy, and where exact (one query row, or no mask, and no window or ALiBi) the query heads are packed and the chunks
+attended to as sequences of their own in one varlen call, whose outputs flash_attn_combine merges by their lse (rounded
+to the input dtype before the merge). Not yet native: ALiBi.
 """
 
 import functools

@@ -158,7 +158,8 @@ CUDA_CASES = [
     ((3, 0, True, (-1, -1), None, False, False, None), dict(d=64, b=1, h=16, hk=1, cache_len=131072)),
     ((2, 1, True, (-1, -1), None, False, False, 3), dict(d=72, h=6, hk=2, cache_len=99, softcap=20.0)),
     ((1, 1, False, (-1, -1), (40, True), False, False, None), dict(d=40, h=8, hk=2, cache_len=777)),
-    # Prefill-shaped against pages of 16 and 3: on Hopper gathered into a contiguous copy for the SM90 forward.
+    # Prefill-shaped against pages of 16 and 3: on Hopper the SM90 forward copies the pages of 16 row by row, and
+    # those of 3 are gathered into a contiguous copy for it.
     ((100, 4, True, (-1, -1), None, False, False, 16), dict(d=128, h=8, hk=2, cache_len=512)),
     ((80, 0, False, (-1, -1), None, False, False, 3), dict(d=64, cache_len=300, softcap=15.0)),
 ]
@@ -380,11 +381,11 @@ def pages_of(k, v, page_size):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("splits", [1, 2, 5, 16, 64])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("page_size", [None, 1, 3, 16, 64, 128, 192, 256])
+@pytest.mark.parametrize("page_size", [None, 1, 3, 16, 48, 64, 128, 192, 256])
 @pytest.mark.parametrize("sq", [3, 9, 130])
 def test_native_split_cuda(d, splits, causal, page_size, sq):
     """The native split-KV forward (fp32 partials, merged by the combine kernel; on Hopper the SM90 forward writes
-    them for the prefill-shaped (130 rows), unpacked calls of a contiguous cache or pages of a multiple of 64 rows, else
+    them for the prefill-shaped (130 rows), unpacked calls of a contiguous cache or pages of a multiple of 16 rows, else
     the SM80 tier's decode kernels: 16-row tiles whose warps split the keys (3 rows, 9, 3 packed), 64-row tiles (9
     packed: 36 rows; 130 packed), which on Hopper merge up to 16 chunks inside a cluster instead) per
     sequence against the fp32 reference over its used keys: GQA, an empty sequence (out 0, lse -inf), one key,
@@ -392,7 +393,9 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
     as the whole call is; rows before the first key see none), with the query heads GQA-packed (each packed row
     masked as its query row) or not. Read from pages (any size, shuffled) 3 rows are the same bits as from the
     contiguous cache (the SM80 decode tile either way), 130 rows are checked against the reference (on Hopper, in
-    pages of 64 to 256: the SM90 forward's TMA boxes, in 64-key blocks where the tile's do not divide the page)."""
+    pages of 16 to 256: the SM90 forward's TMA blocks, its 64-row boxes for other multiples of 64 (in 64-key blocks
+    at d 256), and rows copied by its producer warpgroup for pages of 16 and 48 (48: a page size that is no power of
+    two), the last key block's rows past the table zero-filled)."""
     from flash_attention import _ops, interface
     require_kernel(d, bf16)
     require_kernel(d, bf16, "combine")
@@ -635,12 +638,14 @@ def test_split_count_fills_one_wave(b, heads, rows, keys, d, expected):
     (65, None, None, 1, "sm80", "sm80"),        # a tier override is kept
     (64, None, None, 1, None, "sm80"),          # decode-shaped: the SM80 decode kernels were faster there
     (512, None, None, 4, None, "sm80"),         # GQA-packed rows, masked as their queries only by the SM80 tier
-    (512, 256, None, 1, None, "sm90"),          # pages of a multiple of 128 rows: by TMA boxes, 128-key blocks
+    (512, 256, None, 1, None, "sm90"),          # pages of a multiple of 128 rows: by TMA, 128-key blocks
     (512, 128, None, 1, None, "sm90"),
-    (512, 64, None, 1, None, "sm90"),           # of 64 rows: 64-key blocks
+    (512, 64, None, 1, None, "sm90"),           # of 64 rows: 64-row boxes
     (512, 192, None, 1, None, "sm90"),
-    (512, 16, None, 1, None, "sm80"),           # smaller pages
-    (512, 96, None, 1, None, "sm80"),
+    (512, 16, None, 1, None, "sm90"),           # other multiples of 16: row by row
+    (512, 96, None, 1, None, "sm90"),
+    (512, 8, None, 1, None, "sm80"),            # smaller pages
+    (512, 3, None, 1, None, "sm80"),
     (512, None, "leftpad", 1, None, "sm80"),    # left-padded
     (512, None, None, 1, "unbuilt", "sm80"),    # no forward kernel for the call: the split tier's error path
 ])
@@ -692,12 +697,12 @@ def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, fw
         assert split_calls[0] == (2, sq, 8, 64)  # a prefill on the SM90 forward: not packed
 
 
-@pytest.mark.parametrize("page_size, leftpad, gathered", [(16, False, True), (3, False, True), (64, False, False),
-                                                        (16, True, False)])
+@pytest.mark.parametrize("page_size, leftpad, gathered", [(3, False, True), (1, False, True), (16, False, False),
+                                                        (64, False, False), (16, True, False)])
 def test_small_pages_gathered_for_the_faster_tier(stub_kernel, monkeypatch, page_size, leftpad, gathered):
-    """A prefill-shaped call against pages that the faster tier (Hopper's SM90 forward) does not read, without
-    cache_leftpad, runs that tier natively on a contiguous copy of the sequences' pages (no table); pages it reads go
-    to it with the table, and a left-padded call stays composed."""
+    """A prefill-shaped call against pages that the faster tier (Hopper's SM90 forward) does not read (by the
+    catalog: sizes no multiple of 16), without cache_leftpad, runs that tier natively on a contiguous copy of the
+    sequences' pages (no table); pages it reads go to it with the table, and a left-padded call stays composed."""
     from flash_attention import _ops
     calls = []
 
@@ -708,8 +713,8 @@ def test_small_pages_gathered_for_the_faster_tier(stub_kernel, monkeypatch, page
     monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132))
     monkeypatch.setattr(_ops, "split_tier_is_default", lambda q, tier: False)
     monkeypatch.setattr(_ops, "split_forward_tier", lambda q, k, table, leftpad, packed, tier:
-                        "sm80" if leftpad is not None or (table is not None and k.shape[1] % 64) else "sm90")
-    monkeypatch.setattr(_ops, "forward_reads_pages", lambda tier, page_size: page_size % 64 == 0)
+                        "sm80" if leftpad is not None or (table is not None and
+                                                          not _ops.forward_reads_pages("sm90", k.shape[1])) else "sm90")
     monkeypatch.setattr(_ops, "split_attention", fake_split)
     b, sq, hk, d, cache_len = 2, 128, 2, 64, 192
     q = torch.randn(b, sq, 8, d, dtype=bf16)

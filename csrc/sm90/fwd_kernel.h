@@ -1,10 +1,10 @@
-// SM90-tier forward kernel: a CTA of one producer warpgroup (one thread issues every TMA; setmaxnreg gives its
-// registers to the consumers) and kBlockM / 64 consumer warpgroups (wgmma, softmax, epilogue) computes kBlockM x d
-// output tiles. CTA i takes tiles i, i + gridDim.x, ... in the order of decode_tile (query blocks last-first, so
-// causal tiles come longest first); with a persistent grid its producer loads the next tile's Q, K and V while the
-// consumers finish the current one. With split-KV partials, each query tile's keys are cut into params.num_splits
-// chunks, tiles of their own whose fp32 outputs the combine kernel merges. The roles' code is in mainloop.h and
-// epilogue.h.
+// SM90-tier forward kernel: a CTA of one producer warpgroup (one thread issues every TMA, or for a paged cache whose
+// blocks straddle pages, all 128 copy rows; setmaxnreg gives its other registers to the consumers) and kBlockM / 64
+// consumer warpgroups (wgmma, softmax, epilogue) computes kBlockM x d output tiles. CTA i takes tiles i, i + gridDim.x,
+// ... in the order of decode_tile (query blocks last-first, so causal tiles come longest first); with a persistent grid
+// its producer loads the next tile's Q, K and V while the consumers finish the current one. With split-KV partials,
+// each query tile's keys are cut into params.num_splits chunks, tiles of their own whose fp32 outputs the combine
+// kernel merges. The roles' code is in mainloop.h and epilogue.h.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -39,12 +39,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
     int const tid = threadIdx.x;
 
+    bool page_rows = false;
+    if constexpr (kPaged) { page_rows = args.pages.rows; }
     if (tid == 0) {
         cutlass::arch::ClusterTransactionBarrier::init(&shared.q_full, 1);
         cutlass::arch::ClusterBarrier::init(&shared.q_empty, Traits::kConsumerThreads / 32);
         cutlass::arch::ClusterBarrier::init(&shared.o_free, Traits::kConsumerWarpGroups);
-        shared.k_ring.init(Traits::kConsumerThreads / 32);
-        shared.v_ring.init(Traits::kConsumerThreads / 32);
+        // Rows copied by the producer warpgroup complete a stage with one arrival per thread, TMA with one.
+        int const producer_arrivals = page_rows ? 128 : 1;
+        shared.k_ring.init(Traits::kConsumerThreads / 32, producer_arrivals);
+        shared.v_ring.init(Traits::kConsumerThreads / 32, producer_arrivals);
         cutlass::arch::fence_barrier_init();
     }
     __syncthreads();
@@ -73,7 +77,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     PipelineState<Traits::kStages> state;
 
     if (tid < 128) {
-        cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+        cutlass::arch::warpgroup_reg_dealloc<kPaged ? Traits::kPagedProducerRegisters : Traits::kProducerRegisters>();
+        if constexpr (kPaged) {
+            if (page_rows) {
+                for (int idx = blockIdx.x; idx < args.num_tiles; idx += gridDim.x) {
+                    Tile const t = tile_at(idx);
+                    if (t.blk.valid && !t.n_range.empty()) {
+                        load_page_rows<Traits>(args, shared, t.seq, t.blk, t.n_range, state, tid);
+                    }
+                }
+                return;
+            }
+        }
         if (tid < 32) {
             bool const leader = cute::elect_one_sync();
             for (int idx = blockIdx.x; idx < args.num_tiles; idx += gridDim.x) {
@@ -86,7 +101,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         return;
     }
 
-    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    cutlass::arch::warpgroup_reg_alloc<kPaged ? Traits::kPagedConsumerRegisters : Traits::kConsumerRegisters>();
     int const ctid = tid - 128;
     GemmTurns<Traits::kConsumerWarpGroups, Traits::kPingPong> const turns{ctid / 128};
     turns.init();
@@ -105,7 +120,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 float const slope =
                     params.alibi_slopes == nullptr ? 0.f : alibi_slope(params, t.blk.batch, t.blk.head);
                 consume<Traits>(params, shared, t.window, t.blk.block, t.n_range, slope, ctid, state, turns,
-                                acc_o, softmax);
+                                page_rows, acc_o, softmax);
             }
         }
         float lse[kRows];

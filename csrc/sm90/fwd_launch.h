@@ -67,13 +67,16 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
                               params.k_batch_stride, params.num_pages);
         args.pages.v = tma_kv(params.v, params.page_size, params.v_row_stride, params.v_head_stride,
                               params.v_batch_stride, params.num_pages);
-        if (params.page_size % Traits::kBlockN != 0) {  // boxes of kPageMultiple rows
+        // Blocks that straddle pages: TMA boxes of kPageBoxRows rows where the page size is a multiple of that (d 128:
+        // two boxes per block, 4-7% over the contiguous cache; rows 3-12%; H100, RESULTS.md), else rows.
+        args.pages.rows = params.page_size % Traits::kBlockN != 0 && params.page_size % kPageBoxRows != 0;
+        if (params.page_size % Traits::kBlockN != 0 && !args.pages.rows) {
             auto tma_boxes = [&](void const* ptr, int64_t row_stride, int64_t head_stride, int64_t page_stride) {
                 return make_tma_copy(SM90_TMA_LOAD{},
                                      gmem(ptr, params.page_size, params.hk, row_stride, head_stride, page_stride,
                                           params.num_pages),
                                      typename Traits::SmemLayoutPageBox{},
-                                     Shape<Int<kPageMultiple>, Int<Traits::kHeadDim>>{}, _1{});
+                                     Shape<Int<kPageBoxRows>, Int<Traits::kHeadDim>>{}, _1{});
             };
             args.pages.k_box = tma_boxes(params.k, params.k_row_stride, params.k_head_stride, params.k_batch_stride);
             args.pages.v_box = tma_boxes(params.v, params.v_row_stride, params.v_head_stride, params.v_batch_stride);
@@ -109,7 +112,7 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
 // FlashAttention-3 uses for unmasked tiles, measured 3-8% slower here at 2k, equal at 8k, and spills). d 256: two,
 // the widest key block whose two K and V stages fit beside Q (224 KB).
 // A paged cache's key block arrives whole from its page, or where the page size is no multiple of the block, as
-// boxes of kPageMultiple rows (mainloop.h).
+// boxes of kPageBoxRows rows or row by row (mainloop.h).
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     constexpr FwdTile kTile = kHeadDim == 256   ? FwdTile{.block_m = 128, .block_n = 80, .kv_stages = 2}
@@ -118,11 +121,15 @@ cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cu
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "no SM90 forward tile for this head dim");
     using Traits = FwdTraits<kHeadDim, kTile, Element>;
     if (params.block_table == nullptr) { return launch_fwd<Traits>(params, hints, stream); }
-    if constexpr (kTile.block_n % kPageMultiple == 0) {
-        return launch_fwd<Traits, true>(params, hints, stream);
+    if constexpr (kTile.block_n % kPageBoxRows == 0) {
+        // A third K / V stage (at d 128 the output then stages in V's ring): rows copied by the producer land later
+        // than a TMA block (pages of 16, d 128: 1.10-1.25x the contiguous cache with two stages, 1.09-1.12x with
+        // three; H100, RESULTS.md).
+        return launch_fwd<FwdTraits<kHeadDim, FwdTile{.block_m = kTile.block_m, .block_n = kTile.block_n,
+                                                      .kv_stages = 3}, Element>, true>(params, hints, stream);
     } else {
         // d 256's 80-key blocks would straddle pages: blocks of 64 (two stages are all that fit beside Q).
-        return launch_fwd<FwdTraits<kHeadDim, FwdTile{.block_m = kTile.block_m, .block_n = kPageMultiple,
+        return launch_fwd<FwdTraits<kHeadDim, FwdTile{.block_m = kTile.block_m, .block_n = kPageBoxRows,
                                                       .kv_stages = kTile.kv_stages}, Element>, true>(
             params, hints, stream);
     }
@@ -137,7 +144,7 @@ char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
         return "splits merged inside a cluster are taken by the SM80 tier's decode kernels";
     }
     if (params.block_table != nullptr && params.page_size % kPageMultiple != 0) {
-        return "pages of a size that is not a multiple of 64 are taken by the SM80 tier's forward";
+        return "pages of a size that is not a multiple of 16 are taken by the SM80 tier's forward";
     }
     return unsupported_head_dim<kHeadDim, FwdParams>(params, hints);
 }

@@ -1,5 +1,6 @@
 // SM90-tier forward main loop, by role. The producer (one thread) loads Q and streams K and V blocks through their
-// rings with TMA, in the order the consumers use them: K(n), then V(n + 1). Each consumer warpgroup runs, per key block
+// rings with TMA, in the order the consumers use them: K(n), then V(n + 1) (from pages that a block straddles, the
+// producer warpgroup's 128 threads copy the rows instead: load_page_rows). Each consumer warpgroup runs, per key block
 // n (last-first, so the masked diagonal blocks come first):
 //     S(n) = Q K(n)^T issued, O += P(n + 1) V(n + 1) issued      (in the warpgroups' GEMM turns)
 //     wait for S(n); scores, mask, row max and exponentials        (overlaps the O GEMM)
@@ -26,11 +27,13 @@ namespace flash::sm90 {
 using namespace cute;
 
 // The page pools of a paged cache as (page rows, head dim, kv heads, pages), the page the batch entry (kPaged kernels
-// only): read a key block at a time where it lies in one page, else in boxes of kPageMultiple rows.
+// only): read a key block at a time where it lies in one page, else in boxes of kPageBoxRows rows or (rows) by
+// load_page_rows.
 template <class Traits, bool kPaged>
 struct PageTmas {
     typename Traits::TmaKV k, v;
     typename Traits::TmaPage k_box, v_box;
+    bool rows;  // pages that a key block straddles are copied row by row (load_page_rows), not in boxes
 };
 template <class Traits>
 struct PageTmas<Traits, false> {};
@@ -55,6 +58,27 @@ struct PipelineState {
     uint32_t o_phase = 0;  // flips with every tile that loads Q (with Traits::kOAliasesV)
 };
 
+// Producer (one thread): the tile's Q, by TMA (coordinates (row, col, head, batch entry), this sequence's rows first;
+// read once per tile).
+template <class Traits, bool kPaged>
+__device__ __forceinline__ void load_q(FwdKernelParams<Traits, kPaged> const& args,
+                                       typename Traits::SharedStorage& shared, SeqlenInfo const& seq,
+                                       TileCoord const& blk, PipelineState<Traits::kStages>& state) {
+    FwdParams const& params = args.p;
+    int const entry = params.cu_seqlens_q == nullptr ? seq.batch : 0;
+    Tensor mQ = args.tma_q.get_tma_tensor(make_shape(params.sq, params.d, params.h, tensor_batches(params)));
+    Tensor gQ = local_tile(domain_offset(make_coord(seq.q.start, _0{}), mQ(_, _, blk.head, entry)),
+                           Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, make_coord(blk.block, _0{}));
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    auto tma_q = args.tma_q.get_slice(_0{});
+    // Q's buffer is free once the consumers have issued their last S GEMM of the previous tile and it completed.
+    cutlass::arch::ClusterBarrier::wait(&shared.q_empty, state.q_phase ^ 1);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.q_full, Traits::kQBytes);
+    copy(args.tma_q.with(shared.q_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_q.partition_S(gQ),
+         tma_q.partition_D(sQ));
+    state.q_phase ^= 1;
+}
+
 // Producer (one thread): Q, then K(n) and V(n + 1) for every key block n of the tile, last-first. Rows past the
 // tensor arrive as zeros; rows of the next packed sequence are masked (keys) or zeroed (values, see consume()).
 // kPaged: each K and V block comes from the page that params.block_table names for its rows.
@@ -63,24 +87,18 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
                                      typename Traits::SharedStorage& shared,
                                      SeqlenInfo const& seq, TileCoord const& blk, Interval n_range,
                                      PipelineState<Traits::kStages>& state) {
-    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     FwdParams const& params = args.p;
     int const head_kv = blk.head / params.h_per_hk;
-    // TMA coordinates: (row, col, head, batch entry), this sequence's rows first.
     int const entry = params.cu_seqlens_q == nullptr ? seq.batch : 0;
-    Tensor mQ = args.tma_q.get_tma_tensor(make_shape(params.sq, params.d, params.h, tensor_batches(params)));
     Tensor mK = args.tma_k.get_tma_tensor(make_shape(params.sk, params.d, params.hk, tensor_batches(params)));
     Tensor mV = args.tma_v.get_tma_tensor(make_shape(params.sk, params.d, params.hk, tensor_batches(params)));
-    Tensor gQ = local_tile(domain_offset(make_coord(seq.q.start, _0{}), mQ(_, _, blk.head, entry)),
-                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(blk.block, _0{}));
     Tensor gK = local_tile(domain_offset(make_coord(seq.k.start, _0{}), mK(_, _, head_kv, entry)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, D, n)
     Tensor gV = local_tile(domain_offset(make_coord(seq.k.start, _0{}), mV(_, _, head_kv, entry)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
-    auto tma_q = args.tma_q.get_slice(_0{});
     auto tma_k = args.tma_k.get_slice(_0{});
     auto tma_v = args.tma_v.get_slice(_0{});
     Tensor tKgK = tma_k.partition_S(gK);  // (TMA, 1, 1, n)
@@ -88,14 +106,9 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
     Tensor tVgV = tma_v.partition_S(gV);
     Tensor tVsV = tma_v.partition_D(sV);
 
-    // Q is read once per tile; K and V blocks are shared by the query tiles of a head, so they stay in L2.
+    // K and V blocks are shared by the query tiles of a head, so they stay in L2.
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
-    // Q's buffer is free once the consumers have issued their last S GEMM of the previous tile and it completed.
-    cutlass::arch::ClusterBarrier::wait(&shared.q_empty, state.q_phase ^ 1);
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.q_full, Traits::kQBytes);
-    copy(args.tma_q.with(shared.q_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tma_q.partition_S(gQ),
-         tma_q.partition_D(sQ));
-    state.q_phase ^= 1;
+    load_q(args, shared, seq, blk, state);
     RingState<Traits::kStages>& k_state = state.k;
     RingState<Traits::kStages>& v_state = state.v;
     // Block n_block of K or V into stage `stage`, on `full`'s transaction count; a paged block from its page.
@@ -133,10 +146,10 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
                     copy(tma_pages.with(full, 0, kKeep), thr.partition_S(g), thr.partition_D(sbox));
                 }
             };
-            if (kBlockN == kPageMultiple || params.page_size % kBlockN == 0) {  // the block lies in one page
+            if (kBlockN == kPageBoxRows || params.page_size % kBlockN == 0) {  // the block lies in one page
                 load_boxes(which == 0 ? args.pages.k : args.pages.v, Int<kBlockN>{});
             } else {
-                load_boxes(which == 0 ? args.pages.k_box : args.pages.v_box, Int<kPageMultiple>{});
+                load_boxes(which == 0 ? args.pages.k_box : args.pages.v_box, Int<kPageBoxRows>{});
             }
         } else {
             copy(tma.with(full, 0, kKeep), tXgX(_, _, _, n_block), tXsX(_, _, _, stage));
@@ -163,13 +176,124 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
     load_v(n_range.lo);
 }
 
+// Producer warpgroup (ptid: its thread index), for a paged cache whose key blocks straddle pages (page sizes a
+// multiple of kPageMultiple, not of kBlockN): Q by TMA from thread 0, then K(n) and V(n + 1) as load() orders them,
+// copied with cp.async by all 128 threads, each completing its share of a stage's `full` barrier
+// (cp.async.mbarrier.arrive.noinc; the rings then count 128 arrivals). A block's 16-row groups each lie in one
+// page: warp w copies groups w, w + 4, ..., one table entry per group, its lanes 4 to a row (lane / 4 is the row in
+// the group's top or bottom half, lane % 4 the first of the 16-byte chunks it copies, every fourth), so that each
+// row's address is made once per lane and each copy's source and destination are that address plus a constant. 16-row
+// TMA boxes cost about 70 ns of the SM's TMA unit each, which outweighs the copy instructions (RESULTS.md).
+template <class Traits>
+__device__ __forceinline__ void load_page_rows(FwdKernelParams<Traits, true> const& args,
+                                               typename Traits::SharedStorage& shared, SeqlenInfo const& seq,
+                                               TileCoord const& blk, Interval n_range,
+                                               PipelineState<Traits::kStages>& state, int ptid) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per row
+    constexpr int kGroupsPerWarp = kBlockN / kPageMultiple / 4;
+    static_assert(kBlockN % (4 * kPageMultiple) == 0 && kChunks % 8 == 0 && kPageMultiple == 16);
+    FwdParams const& params = args.p;
+    if (ptid == 0) {
+        load_q(args, shared, seq, blk, state);
+    } else {
+        state.q_phase ^= 1;  // kept in step with thread 0's, though only it waits on Q's barriers
+    }
+
+    int const warp = ptid / 32, lane = ptid % 32;
+    int const row = lane / 4, sub = lane % 4;  // row in the group's half; first chunk
+    int const head_kv = blk.head / params.h_per_hk;
+    int const* table = params.block_table + int64_t(seq.batch) * params.block_table_stride;
+    int const last_slot = params.sk / params.page_size - 1;  // sk: the table's rows
+    // Shared-memory bytes of (row, chunk 0 or 4) within a stage, for this lane's rows in its warp's first group: the
+    // 128-byte swizzle XORs a row's 16-byte chunk index with row % 8, and rows 8 apart share row % 8.
+    uint32_t const dst_even = uint32_t((warp * kPageMultiple + row) * 128 + ((sub ^ row) * 16));
+    uint32_t const dst_odd = dst_even ^ 64u;
+    // This lane's first row of each of its warp's groups in a block: its page, its row in the page, and the sequence's
+    // keys from that row on. Rows past the keys (the last block's, some past the table's rows) arrive as zeros, so
+    // that the consumers need not zero V's (0 * NaN is NaN). Looked up before the wait for K's stage, and kept for
+    // V's.
+    struct Rows {
+        uint32_t page[kGroupsPerWarp];
+        uint32_t page_row[kGroupsPerWarp];
+        int keys_left[kGroupsPerWarp];
+    };
+    auto look_up = [&](int n_block) __attribute__((always_inline)) {
+        Rows rows;
+        CUTE_UNROLL
+        for (int gi = 0; gi < kGroupsPerWarp; ++gi) {
+            int const key = n_block * kBlockN + (warp + 4 * gi) * kPageMultiple;
+            int const slot = params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size;
+            rows.page[gi] = uint32_t(min(max(table[min(slot, last_slot)], 0), params.num_pages - 1));
+            rows.page_row[gi] = uint32_t(slot <= last_slot ? key - slot * params.page_size + row : row);
+            rows.keys_left[gi] = seq.k.len - key - row;
+        }
+        return rows;
+    };
+    // K and V blocks are shared by the query tiles of a head: kept in L2, as load() keeps its TMA blocks.
+    constexpr uint64_t kKeep = uint64_t(TMA::CacheHintSm90::EVICT_LAST);
+    // Rows `rows` of K or V (pool: the kv head's rows in page 0) into stage `stage`, completing `full`.
+    auto copy_block = [&](Rows const& rows, Element const* pool, int64_t page_stride, int64_t row_stride,
+                          Element* buffer, uint64_t* full, int stage) __attribute__((always_inline)) {
+        uint32_t const base = cute::cast_smem_ptr_to_uint(buffer) + uint32_t(stage * kBlockN * kHeadDim) *
+                                                                          uint32_t(sizeof(Element));
+        CUTE_UNROLL
+        for (int gi = 0; gi < kGroupsPerWarp; ++gi) {
+            Element const* src = pool + uint64_t(rows.page[gi]) * page_stride +
+                                 uint64_t(rows.page_row[gi]) * row_stride + sub * 8;
+            CUTE_UNROLL
+            for (int half = 0; half < 2; ++half) {
+                uint32_t const bytes = rows.keys_left[gi] > half * 8 ? 16u : 0u;
+                CUTE_UNROLL
+                for (int c = 0; c < kChunks / 4; ++c) {
+                    // chunk sub + 4c: in atom column c / 2, its index within the row sub + 4 (c % 2).
+                    uint32_t const dst = base + (c % 2 ? dst_odd : dst_even) +
+                                         uint32_t(((c / 2) * kBlockN + gi * 4 * kPageMultiple + half * 8) * 128);
+                    Element const* from = src + half * 8 * row_stride + c * 32;
+                    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+                                 "l"(from), "r"(bytes), "l"(kKeep));
+                }
+            }
+        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(full);
+    };
+    Element const* k_pool = static_cast<Element const*>(params.k) + head_kv * params.k_head_stride;
+    Element const* v_pool = static_cast<Element const*>(params.v) + head_kv * params.v_head_stride;
+    RingState<Traits::kStages>& k_state = state.k;
+    RingState<Traits::kStages>& v_state = state.v;
+    auto load_v = [&](Rows const& rows, int n_block) __attribute__((always_inline)) {
+        if constexpr (Traits::kOAliasesV) {
+            if (n_block == n_range.hi - 1) {
+                cutlass::arch::ClusterBarrier::wait(&shared.o_free, state.o_phase ^ 1);
+                state.o_phase ^= 1;
+            }
+        }
+        shared.v_ring.wait_free(v_state);
+        copy_block(rows, v_pool, params.v_batch_stride, params.v_row_stride, shared.v.data(),
+                   &shared.v_ring.full[v_state.index], v_state.index);
+        v_state.advance();
+    };
+    Rows previous;  // block n_block + 1's, for its V
+    for (int n_block = n_range.hi - 1; n_block >= n_range.lo; --n_block) {
+        Rows const rows = look_up(n_block);
+        shared.k_ring.wait_free(k_state);
+        copy_block(rows, k_pool, params.k_batch_stride, params.k_row_stride, shared.k.data(),
+                   &shared.k_ring.full[k_state.index], k_state.index);
+        k_state.advance();
+        if (n_block + 1 < n_range.hi) { load_v(previous, n_block + 1); }
+        previous = rows;
+    }
+    load_v(previous, n_range.lo);
+}
+
 // Consumer warpgroups (ctid: thread index among them): accumulates this tile's unnormalised output in acc_o and the
 // running row max / sum in softmax, over key blocks n_range (not empty).
 template <class Traits, class Turns, class AccO, class Softmax>
 __device__ __forceinline__ void consume(FwdParams const& params, typename Traits::SharedStorage& shared,
                                         AttnWindow const& window, int m_block, Interval n_range, float alibi_slope,
                                         int ctid, PipelineState<Traits::kStages>& state, Turns const& turns,
-                                        AccO& acc_o, Softmax& softmax) {
+                                        bool v_tail_zeroed, AccO& acc_o, Softmax& softmax) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
     constexpr int kStages = Traits::kStages;
@@ -208,7 +332,8 @@ __device__ __forceinline__ void consume(FwdParams const& params, typename Traits
     // The first block's V rows past this sequence's keys hold the next sequence's rows (varlen) or, past seqused,
     // anything (NaN * 0 is NaN): zero them before any O GEMM reads the stage. Batched without seqused they lie past
     // the tensor, and TMA has filled them with zeros; waiting for V here would also hold up the first S GEMM.
-    bool const v_tail_foreign = params.cu_seqlens_k != nullptr || params.seqused_k != nullptr;
+    // v_tail_zeroed: the producer has zero-filled them (load_page_rows).
+    bool const v_tail_foreign = (params.cu_seqlens_k != nullptr || params.seqused_k != nullptr) && !v_tail_zeroed;
     if (v_tail_foreign && n_block * kBlockN + kBlockN > window.sk) {
         shared.v_ring.wait(v_state);
         zero_tail_rows<Traits::kConsumerThreads>(sV(_, _, v_state.index), window.sk - n_block * kBlockN, ctid);

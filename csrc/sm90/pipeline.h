@@ -32,9 +32,9 @@ struct TmaRing {
     uint64_t full[kStages];
     uint64_t empty[kStages];
 
-    __device__ __forceinline__ void init(int consumer_warps) {
+    __device__ __forceinline__ void init(int consumer_warps, int producer_arrivals = 1) {
         for (int s = 0; s < kStages; ++s) {
-            cutlass::arch::ClusterTransactionBarrier::init(&full[s], 1);
+            cutlass::arch::ClusterTransactionBarrier::init(&full[s], producer_arrivals);
             cutlass::arch::ClusterBarrier::init(&empty[s], consumer_warps);
         }
     }

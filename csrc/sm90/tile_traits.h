@@ -32,9 +32,10 @@ struct FwdTile {
 };
 
 // The page sizes that the paged forward reads are multiples of this (the catalog's Kind.page_multiple): a paged
-// key block arrives whole from its page where the page size is a multiple of the block, else as boxes of this many
-// rows, each from its page.
-constexpr int kPageMultiple = 64;
+// key block arrives whole from its page where the page size is a multiple of the block, else row by row
+// (load_page_rows) or as TMA boxes of kPageBoxRows rows, each from its page.
+constexpr int kPageMultiple = 16;
+constexpr int kPageBoxRows = 64;
 
 template <int kHeadDim_, FwdTile kTile, typename Element_>
 struct FwdTraits {
@@ -54,6 +55,13 @@ struct FwdTraits {
     static constexpr int kProducerRegisters = kConsumerWarpGroups == 2 ? 24 : 32;
     static constexpr int kConsumerRegisters = kConsumerWarpGroups == 2 ? 240 : 160;
     static_assert(register_split_fits(kNThreads, kProducerRegisters, kConsumerWarpGroups, kConsumerRegisters));
+    // The paged kernels' producer warpgroup may copy rows (load_page_rows): with two consumer warpgroups it takes 16
+    // registers from theirs (ptxas: its spills 356/508 -> 72/96 B at d 128, none added in the consumers); three (d 64)
+    // have none to spare (152 spilled).
+    static constexpr int kPagedProducerRegisters = kConsumerWarpGroups == 2 ? 40 : 32;
+    static constexpr int kPagedConsumerRegisters = kConsumerWarpGroups == 2 ? 232 : 160;
+    static_assert(register_split_fits(kNThreads, kPagedProducerRegisters, kConsumerWarpGroups,
+                                      kPagedConsumerRegisters));
     // Consumer warpgroups take turns issuing their GEMMs, so that one's softmax runs under the other's GEMMs. Past
     // d 128 the O GEMM is long enough to hide the softmax within a warpgroup, and the turns only add waits.
     static constexpr bool kPingPong = kHeadDim <= 128;
@@ -89,12 +97,12 @@ struct FwdTraits {
                                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
     using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
                                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
-    // A paged cache's key block as kBlockN / kPageMultiple boxes of kPageMultiple rows, each from the page its rows
+    // A paged cache's key block as kBlockN / kPageBoxRows boxes of kPageBoxRows rows, each from the page its rows
     // lie in: the box's smem is the stage's rows it fills (with d > 64, not contiguous: one TMA per 64 columns).
     using SmemLayoutPageBox = decltype(composition(take<0, 2>(SmemLayoutKV{}),
-                                                   make_tile(Layout<Int<kPageMultiple>>{}, Layout<Int<kHeadDim>>{})));
+                                                   make_tile(Layout<Int<kPageBoxRows>>{}, Layout<Int<kHeadDim>>{})));
     using TmaPage = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutPageBox{},
-                                           Shape<Int<kPageMultiple>, Int<kHeadDim>>{}, _1{}));
+                                           Shape<Int<kPageBoxRows>, Int<kHeadDim>>{}, _1{}));
     static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
 
