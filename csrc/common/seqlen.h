@@ -62,4 +62,11 @@ struct SeqlenInfo {
     }
 };
 
+// A paged cache (FwdParams::block_table): the table slot of the page that holds key row `key` (a shift where the page
+// size is a power of two), and a table entry as a page of the pool (clamped to it: entries are not checked).
+__device__ __forceinline__ int page_slot(FwdParams const& p, int key) {
+    return p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size;
+}
+__device__ __forceinline__ int pool_page(FwdParams const& p, int entry) { return min(max(entry, 0), p.num_pages - 1); }
+
 }  // namespace flash

@@ -158,8 +158,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 auto row_ptr = [&](int row) -> Element const* {
                     if (n_block * kBlockN + row >= sk) { return nullptr; }
                     int const key = seq.k.start + n_block * kBlockN + row;  // the table's rows start at leftpad
-                    int const slot = params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size;
-                    int const page = min(max(table[slot], 0), params.num_pages - 1);
+                    int const slot = page_slot(params, key);
+                    int const page = pool_page(params, table[slot]);
                     return pool + page * page_stride + (key - slot * params.page_size) * row_stride;
                 };
                 load_rows<Traits::kThreadsPerRow>(gmem_copy, tXgX(_, _, _, 0), tXsX(_, _, _, stage), tKVcKV, row_ptr,

@@ -79,6 +79,29 @@ __device__ __forceinline__ void load_q(FwdKernelParams<Traits, kPaged> const& ar
     state.q_phase ^= 1;
 }
 
+// The producers' order over a tile's key blocks n_range, last-first, as the consumers use them: K(n), then V(n + 1),
+// and V(n_range.lo) last (load_v's second argument: whether it is that one, a compile-time bool). With
+// Traits::kOAliasesV the tile's first V waits until the previous tile's output stores have read V's ring.
+template <class Traits, class LoadK, class LoadV>
+__device__ __forceinline__ void for_each_kv_block(typename Traits::SharedStorage& shared, Interval n_range,
+                                                  PipelineState<Traits::kStages>& state, LoadK&& load_k,
+                                                  LoadV&& load_v) {
+    auto v_block = [&](int n_block, auto last) __attribute__((always_inline)) {
+        if constexpr (Traits::kOAliasesV) {
+            if (n_block == n_range.hi - 1) {
+                cutlass::arch::ClusterBarrier::wait(&shared.o_free, state.o_phase ^ 1);
+                state.o_phase ^= 1;
+            }
+        }
+        load_v(n_block, last);
+    };
+    for (int n_block = n_range.hi - 1; n_block >= n_range.lo; --n_block) {
+        load_k(n_block);
+        if (n_block + 1 < n_range.hi) { v_block(n_block + 1, cute::false_type{}); }
+    }
+    v_block(n_range.lo, cute::true_type{});
+}
+
 // Producer (one thread): Q, then K(n) and V(n + 1) for every key block n of the tile, last-first. Rows past the
 // tensor arrive as zeros; rows of the next packed sequence are masked (keys) or zeroed (values, see consume()).
 // kPaged: each K and V block comes from the page that params.block_table names for its rows.
@@ -120,7 +143,7 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
             // The table slot of a key's page; a key past the table's rows gets the last slot, and a box from it lies
             // past its page's rows: TMA fills it with zeros.
             auto slot_of = [&](int key) {
-                return min(params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size, last_slot);
+                return min(page_slot(params, key), last_slot);
             };
             auto const shape = make_shape(params.page_size, params.d, params.hk, params.num_pages);
             Tensor sX = make_tensor(make_smem_ptr(which == 0 ? shared.k.data() : shared.v.data()),
@@ -140,7 +163,7 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
                 for (int box = 0; box < kBoxes; ++box) {
                     int const row = n_block * kBlockN + box * kRows - slot[box] * params.page_size;
                     Tensor g = local_tile(
-                        tma_pages.get_tma_tensor(shape)(_, _, head_kv, min(max(page[box], 0), params.num_pages - 1)),
+                        tma_pages.get_tma_tensor(shape)(_, _, head_kv, pool_page(params, page[box])),
                         Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(row / kRows, _0{}));
                     Tensor sbox = local_tile(sX, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(box, _0{}));
                     copy(tma_pages.with(full, 0, kKeep), thr.partition_S(g), thr.partition_D(sbox));
@@ -155,29 +178,22 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
             copy(tma.with(full, 0, kKeep), tXgX(_, _, _, n_block), tXsX(_, _, _, stage));
         }
     };
-    auto load_v = [&](int n_block) {
-        if constexpr (Traits::kOAliasesV) {
-            // The V ring holds the previous tile's output until its stores have read it.
-            if (n_block == n_range.hi - 1) {
-                cutlass::arch::ClusterBarrier::wait(&shared.o_free, state.o_phase ^ 1);
-                state.o_phase ^= 1;
-            }
-        }
-        load_block(args.tma_v, tVgV, tVsV, 1, shared.v_ring.acquire(v_state, Traits::kKVBytes), n_block,
-                   v_state.index);
-        v_state.advance();
-    };
-    for (int n_block = n_range.hi - 1; n_block >= n_range.lo; --n_block) {
-        load_block(args.tma_k, tKgK, tKsK, 0, shared.k_ring.acquire(k_state, Traits::kKVBytes), n_block,
-                   k_state.index);
-        k_state.advance();
-        if (n_block + 1 < n_range.hi) { load_v(n_block + 1); }
-    }
-    load_v(n_range.lo);
+    for_each_kv_block<Traits>(
+        shared, n_range, state,
+        [&](int n_block) {
+            load_block(args.tma_k, tKgK, tKsK, 0, shared.k_ring.acquire(k_state, Traits::kKVBytes), n_block,
+                       k_state.index);
+            k_state.advance();
+        },
+        [&](int n_block, auto) {
+            load_block(args.tma_v, tVgV, tVsV, 1, shared.v_ring.acquire(v_state, Traits::kKVBytes), n_block,
+                       v_state.index);
+            v_state.advance();
+        });
 }
 
 // Producer warpgroup (ptid: its thread index), for a paged cache whose key blocks straddle pages (page sizes a
-// multiple of kPageMultiple, not of kBlockN): Q by TMA from thread 0, then K(n) and V(n + 1) as load() orders them,
+// multiple of kPageMultiple, not of kBlockN): Q by TMA from thread 0, then K and V in for_each_kv_block's order,
 // copied with cp.async by all 128 threads, each completing its share of a stage's `full` barrier
 // (cp.async.mbarrier.arrive.noinc; the rings then count 128 arrivals). A block's 16-row groups each lie in one
 // page: warp w copies groups w, w + 4, ..., one table entry per group, its lanes 4 to a row (lane / 4 is the row in
@@ -224,8 +240,8 @@ __device__ __forceinline__ void load_page_rows(FwdKernelParams<Traits, true> con
         CUTE_UNROLL
         for (int gi = 0; gi < kGroupsPerWarp; ++gi) {
             int const key = n_block * kBlockN + (warp + 4 * gi) * kPageMultiple;
-            int const slot = params.page_shift >= 0 ? key >> params.page_shift : key / params.page_size;
-            rows.page[gi] = uint32_t(min(max(table[min(slot, last_slot)], 0), params.num_pages - 1));
+            int const slot = page_slot(params, key);
+            rows.page[gi] = uint32_t(pool_page(params, table[min(slot, last_slot)]));
             rows.page_row[gi] = uint32_t(slot <= last_slot ? key - slot * params.page_size + row : row);
             rows.keys_left[gi] = seq.k.len - key - row;
         }
@@ -262,29 +278,24 @@ __device__ __forceinline__ void load_page_rows(FwdKernelParams<Traits, true> con
     Element const* v_pool = static_cast<Element const*>(params.v) + head_kv * params.v_head_stride;
     RingState<Traits::kStages>& k_state = state.k;
     RingState<Traits::kStages>& v_state = state.v;
-    auto load_v = [&](Rows const& rows, int n_block) __attribute__((always_inline)) {
-        if constexpr (Traits::kOAliasesV) {
-            if (n_block == n_range.hi - 1) {
-                cutlass::arch::ClusterBarrier::wait(&shared.o_free, state.o_phase ^ 1);
-                state.o_phase ^= 1;
-            }
-        }
-        shared.v_ring.wait_free(v_state);
-        copy_block(rows, v_pool, params.v_batch_stride, params.v_row_stride, shared.v.data(),
-                   &shared.v_ring.full[v_state.index], v_state.index);
-        v_state.advance();
-    };
-    Rows previous;  // block n_block + 1's, for its V
-    for (int n_block = n_range.hi - 1; n_block >= n_range.lo; --n_block) {
-        Rows const rows = look_up(n_block);
-        shared.k_ring.wait_free(k_state);
-        copy_block(rows, k_pool, params.k_batch_stride, params.k_row_stride, shared.k.data(),
-                   &shared.k_ring.full[k_state.index], k_state.index);
-        k_state.advance();
-        if (n_block + 1 < n_range.hi) { load_v(previous, n_block + 1); }
-        previous = rows;
-    }
-    load_v(previous, n_range.lo);
+    // The last K block's rows, and those of the block before it (n_block + 1), for its V.
+    Rows newest{}, previous{};
+    for_each_kv_block<Traits>(
+        shared, n_range, state,
+        [&](int n_block) __attribute__((always_inline)) {
+            previous = newest;
+            newest = look_up(n_block);
+            shared.k_ring.wait_free(k_state);
+            copy_block(newest, k_pool, params.k_batch_stride, params.k_row_stride, shared.k.data(),
+                       &shared.k_ring.full[k_state.index], k_state.index);
+            k_state.advance();
+        },
+        [&](int, auto last) __attribute__((always_inline)) {
+            shared.v_ring.wait_free(v_state);
+            copy_block(decltype(last)::value ? newest : previous, v_pool, params.v_batch_stride, params.v_row_stride,
+                       shared.v.data(), &shared.v_ring.full[v_state.index], v_state.index);
+            v_state.advance();
+        });
 }
 
 // Consumer warpgroups (ctid: thread index among them): accumulates this tile's unnormalised output in acc_o and the
