@@ -56,6 +56,7 @@ struct PipelineState {
     RingState<kStages> k, v;
     uint32_t q_phase = 0;  // flips with every tile that loads Q
     uint32_t o_phase = 0;  // flips with every tile that loads Q (with Traits::kOAliasesV)
+    int o_stage = 0;       // with Traits::kOInVStage: the V stage that holds the previous tile's output
 };
 
 // Producer (one thread): the tile's Q, by TMA (coordinates (row, col, head, batch entry), this sequence's rows first;
@@ -81,17 +82,25 @@ __device__ __forceinline__ void load_q(FwdKernelParams<Traits, kPaged> const& ar
 
 // The producers' order over a tile's key blocks n_range, last-first, as the consumers use them: K(n), then V(n + 1),
 // and V(n_range.lo) last (load_v's second argument: whether it is that one, a compile-time bool). With
-// Traits::kOAliasesV the tile's first V waits until the previous tile's output stores have read V's ring.
+// Traits::kOAliasesV the tile's first V waits until the previous tile's output stores have read V's ring; with
+// Traits::kOInVStage only the first V into the stage that holds that output does (or the tile's end).
 template <class Traits, class LoadK, class LoadV>
 __device__ __forceinline__ void for_each_kv_block(typename Traits::SharedStorage& shared, Interval n_range,
                                                   PipelineState<Traits::kStages>& state, LoadK&& load_k,
                                                   LoadV&& load_v) {
+    auto wait_o_free = [&]() __attribute__((always_inline)) {
+        cutlass::arch::ClusterBarrier::wait(&shared.o_free, state.o_phase ^ 1);
+        state.o_phase ^= 1;
+    };
+    bool o_pending = true;  // one wait per tile: the first tile's passes at once
     auto v_block = [&](int n_block, auto last) __attribute__((always_inline)) {
-        if constexpr (Traits::kOAliasesV) {
-            if (n_block == n_range.hi - 1) {
-                cutlass::arch::ClusterBarrier::wait(&shared.o_free, state.o_phase ^ 1);
-                state.o_phase ^= 1;
+        if constexpr (Traits::kOInVStage) {
+            if (o_pending && state.v.index == state.o_stage) {
+                wait_o_free();
+                o_pending = false;
             }
+        } else if constexpr (Traits::kOAliasesV) {
+            if (n_block == n_range.hi - 1) { wait_o_free(); }
         }
         load_v(n_block, last);
     };
@@ -100,6 +109,10 @@ __device__ __forceinline__ void for_each_kv_block(typename Traits::SharedStorage
         if (n_block + 1 < n_range.hi) { v_block(n_block + 1, cute::false_type{}); }
     }
     v_block(n_range.lo, cute::true_type{});
+    if constexpr (Traits::kOInVStage) {
+        if (o_pending) { wait_o_free(); }
+        state.o_stage = (state.v.index + Traits::kStages - 1) % Traits::kStages;  // this tile's last V
+    }
 }
 
 // Producer (one thread): Q, then K(n) and V(n + 1) for every key block n of the tile, last-first. Rows past the
@@ -196,10 +209,12 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
 // multiple of kPageMultiple, not of kBlockN): Q by TMA from thread 0, then K and V in for_each_kv_block's order,
 // copied with cp.async by all 128 threads, each completing its share of a stage's `full` barrier
 // (cp.async.mbarrier.arrive.noinc; the rings then count 128 arrivals). A block's 16-row groups each lie in one
-// page: warp w copies groups w, w + 4, ..., one table entry per group, its lanes 4 to a row (lane / 4 is the row in
-// the group's top or bottom half, lane % 4 the first of the 16-byte chunks it copies, every fourth), so that each
-// row's address is made once per lane and each copy's source and destination are that address plus a constant. 16-row
-// TMA boxes cost about 70 ns of the SM's TMA unit each, which outweighs the copy instructions (RESULTS.md).
+// page: warp w copies groups w, w + 4, ..., one table entry per group, its lanes Traits::kPageRowLanes to a row
+// (lane / lanes: the row in each step of 32 / lanes rows; lane % lanes: the first of the 16-byte chunks it copies,
+// every lanes-th), so that each row's address is made once per lane and each copy's source and destination are that
+// address plus a constant. With 8 lanes a copy instruction reads whole 128-byte lines (2-3% faster at d 128 than 4
+// lanes, given the registers). 16-row TMA boxes cost about 70 ns of the SM's TMA unit each, which outweighs the copy
+// instructions (RESULTS.md).
 template <class Traits>
 __device__ __forceinline__ void load_page_rows(FwdKernelParams<Traits, true> const& args,
                                                typename Traits::SharedStorage& shared, SeqlenInfo const& seq,
@@ -208,8 +223,11 @@ __device__ __forceinline__ void load_page_rows(FwdKernelParams<Traits, true> con
     using Element = typename Traits::Element;
     constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per row
+    constexpr int kLanes = Traits::kPageRowLanes;                  // lanes per row
+    constexpr int kStepRows = 32 / kLanes;                         // rows per copy instruction of a warp
     constexpr int kGroupsPerWarp = kBlockN / kPageMultiple / 4;
     static_assert(kBlockN % (4 * kPageMultiple) == 0 && kChunks % 8 == 0 && kPageMultiple == 16);
+    static_assert(kLanes == 4 || kLanes == 8);
     FwdParams const& params = args.p;
     if (ptid == 0) {
         load_q(args, shared, seq, blk, state);
@@ -218,14 +236,16 @@ __device__ __forceinline__ void load_page_rows(FwdKernelParams<Traits, true> con
     }
 
     int const warp = ptid / 32, lane = ptid % 32;
-    int const row = lane / 4, sub = lane % 4;  // row in the group's half; first chunk
+    int const row = lane / kLanes, sub = lane % kLanes;
     int const head_kv = blk.head / params.h_per_hk;
     int const* table = params.block_table + int64_t(seq.batch) * params.block_table_stride;
     int const last_slot = params.sk / params.page_size - 1;  // sk: the table's rows
-    // Shared-memory bytes of (row, chunk 0 or 4) within a stage, for this lane's rows in its warp's first group: the
-    // 128-byte swizzle XORs a row's 16-byte chunk index with row % 8, and rows 8 apart share row % 8.
-    uint32_t const dst_even = uint32_t((warp * kPageMultiple + row) * 128 + ((sub ^ row) * 16));
-    uint32_t const dst_odd = dst_even ^ 64u;
+    // Shared-memory bytes of (row, chunk sub) within a stage, for this lane's row in its warp's first group. The
+    // 128-byte swizzle XORs a row's 16-byte chunk index with row % 8; a step of 4 rows (8 lanes) or a chunk 4 further
+    // on (4 lanes) flips its bit 2, the rest of each copy's offset is a constant: `flipped` is this lane's address
+    // with that bit flipped.
+    uint32_t const dst = uint32_t((warp * kPageMultiple + row) * 128 + ((sub ^ row) * 16));
+    uint32_t const flipped = dst ^ 64u;
     // This lane's first row of each of its warp's groups in a block: its page, its row in the page, and the sequence's
     // keys from that row on. Rows past the keys (the last block's, some past the table's rows) arrive as zeros, so
     // that the consumers need not zero V's (0 * NaN is NaN). Looked up before the wait for K's stage, and kept for
@@ -259,15 +279,17 @@ __device__ __forceinline__ void load_page_rows(FwdKernelParams<Traits, true> con
             Element const* src = pool + uint64_t(rows.page[gi]) * page_stride +
                                  uint64_t(rows.page_row[gi]) * row_stride + sub * 8;
             CUTE_UNROLL
-            for (int half = 0; half < 2; ++half) {
-                uint32_t const bytes = rows.keys_left[gi] > half * 8 ? 16u : 0u;
+            for (int step = 0; step < kPageMultiple / kStepRows; ++step) {
+                uint32_t const bytes = rows.keys_left[gi] > step * kStepRows ? 16u : 0u;
                 CUTE_UNROLL
-                for (int c = 0; c < kChunks / 4; ++c) {
-                    // chunk sub + 4c: in atom column c / 2, its index within the row sub + 4 (c % 2).
-                    uint32_t const dst = base + (c % 2 ? dst_odd : dst_even) +
-                                         uint32_t(((c / 2) * kBlockN + gi * 4 * kPageMultiple + half * 8) * 128);
-                    Element const* from = src + half * 8 * row_stride + c * 32;
-                    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+                for (int c = 0; c < kChunks / kLanes; ++c) {
+                    int const chunk = c * kLanes;  // this copy's chunk, less sub
+                    bool const flip = ((chunk ^ (step * kStepRows)) & 4) != 0;
+                    uint32_t const to = base + (flip ? flipped : dst) +
+                                        uint32_t(((chunk / 8) * kBlockN + gi * 4 * kPageMultiple + step * kStepRows) *
+                                                 128);
+                    Element const* from = src + step * kStepRows * row_stride + chunk * 8;
+                    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(to),
                                  "l"(from), "r"(bytes), "l"(kKeep));
                 }
             }

@@ -55,13 +55,15 @@ struct FwdTraits {
     static constexpr int kProducerRegisters = kConsumerWarpGroups == 2 ? 24 : 32;
     static constexpr int kConsumerRegisters = kConsumerWarpGroups == 2 ? 240 : 160;
     static_assert(register_split_fits(kNThreads, kProducerRegisters, kConsumerWarpGroups, kConsumerRegisters));
-    // The paged kernels' producer warpgroup may copy rows (load_page_rows): with two consumer warpgroups it takes 16
-    // registers from theirs (ptxas: its spills 356/508 -> 72/96 B at d 128, none added in the consumers); three (d 64)
-    // have none to spare (152 spilled).
-    static constexpr int kPagedProducerRegisters = kConsumerWarpGroups == 2 ? 40 : 32;
-    static constexpr int kPagedConsumerRegisters = kConsumerWarpGroups == 2 ? 232 : 160;
+    // The paged kernels' producer warpgroup may copy rows (load_page_rows): with two consumer warpgroups it takes 32
+    // registers from theirs, and copies with 8 lanes to a row (ptxas at d 128: producer spills 356/508 B at 24
+    // registers, 0 at 56; no consumer spills at 224); three (d 64) have none to spare (152 spilled), and there 4 lanes
+    // to a row keep the producer's spills lower than 8.
+    static constexpr int kPagedProducerRegisters = kConsumerWarpGroups == 2 ? 56 : 32;
+    static constexpr int kPagedConsumerRegisters = kConsumerWarpGroups == 2 ? 224 : 160;
     static_assert(register_split_fits(kNThreads, kPagedProducerRegisters, kConsumerWarpGroups,
                                       kPagedConsumerRegisters));
+    static constexpr int kPageRowLanes = kConsumerWarpGroups == 2 ? 8 : 4;
     // Consumer warpgroups take turns issuing their GEMMs, so that one's softmax runs under the other's GEMMs. Past
     // d 128 the O GEMM is long enough to hide the softmax within a warpgroup, and the turns only add waits.
     static constexpr bool kPingPong = kHeadDim <= 128;
@@ -128,6 +130,10 @@ struct FwdTraits {
         (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutKV> + cosize_v<SmemLayoutO>) * int(sizeof(Element)) + 1024 >
         kSmemLimit;
     static_assert(!kOAliasesV || cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutKV>);
+    // Where the output fits in one V stage, it stages in the stage of the tile's last V block (o_buffer(stage)):
+    // the next tile's first kStages - 1 V blocks land in the other stages without waiting for the output's store.
+    static constexpr int kStageElems = kBlockN * kHeadDim;
+    static constexpr bool kOInVStage = kOAliasesV && cosize_v<SmemLayoutO> <= kStageElems;
 
     struct NoBuffer {};
     struct SharedStorage {
@@ -141,8 +147,10 @@ struct FwdTraits {
         TmaRing<kStages> k_ring;
         TmaRing<kStages> v_ring;
 
-        __device__ __forceinline__ Element* o_buffer() {
-            if constexpr (kOAliasesV) {
+        __device__ __forceinline__ Element* o_buffer(int v_stage) {
+            if constexpr (kOInVStage) {
+                return v.data() + v_stage * kStageElems;
+            } else if constexpr (kOAliasesV) {
                 return v.data();
             } else {
                 return o.data();
