@@ -118,13 +118,13 @@ def decode_case(d):
                 table = order.view(b, pages).int()
                 flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table, causal=True,
                                         num_splits=num_splits)
-    # More query tiles than SMs: persistent CTAs take several, so an output staged in V's ring meets the next tile's
-    # loads.
+    # More query tiles than SMs, unmasked: persistent CTAs take several, so an output staged in V's ring meets the next
+    # tile's loads.
     q = torch.randn(b, 130, 96, d, dtype=BF16, device="cuda")
     for page in (16, 64):
         table = torch.arange(b * (cache_len // page), device="cuda", dtype=torch.int32).view(b, -1)
         flash_attn_with_kvcache(q, k_cache.view(-1, page, hk, d), v_cache.view(-1, page, hk, d),
-                                cache_seqlens=seqlens, block_table=table, causal=True, num_splits=1)
+                                cache_seqlens=seqlens, block_table=table, num_splits=1)
     k_new, v_new = (torch.randn(b, 2, hk, d, dtype=BF16, device="cuda") for _ in range(2))
     flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True)
 

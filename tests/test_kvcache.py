@@ -438,27 +438,29 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
 @pytest.mark.cuda
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [16, 48, 64])
-def test_paged_prefill_many_tiles_cuda(d, page_size):
-    """More query tiles than SMs, so that the SM90 forward's persistent CTAs take several each (at d 128 a tile's
-    output stages in the V stage of its last key block, beside the next tile's loads): read from shuffled pages (rows
-    copied for pages of 16 and 48, 64-row boxes for 64), the output is the contiguous cache's, bit for bit where the
-    key blocks are the same (d 64, 128), and within flash-attn's rule of the reference for every sequence."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_prefill_many_tiles_cuda(d, page_size, causal):
+    """More query tiles than SMs: without a mask the SM90 forward's persistent CTAs take several each (at d 128 a
+    tile's output stages in the V stage of its last key block, beside the next tile's loads), causal ones one CTA per
+    tile. Read from shuffled pages (rows copied for pages of 16 and 48, 64-row boxes for 64), the output is the
+    contiguous cache's, bit for bit where the key blocks are the same (d 64, 128), and within flash-attn's rule of the
+    reference for every sequence."""
     require_kernel(d, bf16)
     b, sq, h, hk, sk = 2, 400, 48, 8, 1000
     q = torch.randn(b, sq, h, d, dtype=bf16, device="cuda")
     k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
     used = torch.tensor([sk, 611], dtype=torch.int32, device="cuda")
     k_pool, v_pool, table = pages_of(k, v, page_size)
-    out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=used, block_table=table, causal=True,
+    out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=used, block_table=table, causal=causal,
                                        num_splits=1, return_softmax_lse=True)
-    dense, dense_lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=used, causal=True, num_splits=1,
+    dense, dense_lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=used, causal=causal, num_splits=1,
                                                return_softmax_lse=True)
     if d != 256:  # d 256's paged kernel reads 64-key blocks, its contiguous one 80
         assert torch.equal(out, dense) and torch.equal(lse, dense_lse)
     for i in range(b):
         n = int(used[i])
-        ref_out, ref_lse = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=True)
-        low_out, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=True, upcast=False)
+        ref_out, ref_lse = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal)
+        low_out, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal, upcast=False)
         err = (out[i:i + 1].float() - ref_out.float()).abs().max()
         low_err = (low_out.float() - ref_out.float()).abs().max()
         assert torch.isfinite(out[i]).all() and err <= 2 * low_err + 1e-4, (i, err, low_err)

@@ -25,7 +25,7 @@ template <class Traits, class FragO>
 __device__ __forceinline__ void store_output_tma(typename Traits::TmaO const& tma_o,
                                                  typename Traits::SharedStorage& shared, FragO const& r_o,
                                                  FwdParams const& params, SeqlenInfo const& seq, int m_block, int head,
-                                                 int ctid, int v_stage) {
+                                                 int ctid) {
     constexpr int kHeadDim = Traits::kHeadDim;
     int const wg = __shfl_sync(0xffffffff, ctid / 128, 0);
     bool const leader = ctid % 128 == 0;
@@ -35,7 +35,7 @@ __device__ __forceinline__ void store_output_tma(typename Traits::TmaO const& tm
         if (leader) { tma_store_wait<0>(); }
         sync_warpgroup(wg);
     }
-    Tensor sO = make_tensor(make_smem_ptr(shared.o_buffer(v_stage)), typename Traits::SmemLayoutO{});
+    Tensor sO = make_tensor(make_smem_ptr(shared.o_buffer()), typename Traits::SmemLayoutO{});
     typename Traits::SmemCopyO smem_copy;
     auto thr_copy = smem_copy.get_thread_slice(ctid);
     copy(smem_copy, thr_copy.retile_S(r_o), thr_copy.partition_D(sO));
@@ -45,7 +45,7 @@ __device__ __forceinline__ void store_output_tma(typename Traits::TmaO const& tm
         Tensor mO = tma_o.get_tma_tensor(make_shape(params.sq, params.d, params.h, params.b));
         Tensor gO = local_tile(mO(_, _, head, seq.batch), Shape<_64, Int<kHeadDim>>{},
                                make_coord(m_block * Traits::kConsumerWarpGroups + wg, _0{}));
-        Tensor sO_slab = make_tensor(make_smem_ptr(shared.o_buffer(v_stage) + wg * 64 * kHeadDim),
+        Tensor sO_slab = make_tensor(make_smem_ptr(shared.o_buffer() + wg * 64 * kHeadDim),
                                      typename Traits::SmemLayoutOSlab{});
         auto tma = tma_o.get_slice(_0{});
         copy(tma_o, tma.partition_S(sO_slab), tma.partition_D(gO));
@@ -74,8 +74,7 @@ __device__ __forceinline__ void store_output_registers(CoordRC const& coord_rc, 
 template <class Traits, class AccO, int kRows>
 __device__ __forceinline__ void store_output(typename Traits::TmaO const& tma_o, typename Traits::SharedStorage& shared,
                                              AccO const& acc_o, float const (&lse)[kRows], FwdParams const& params,
-                                             SeqlenInfo const& seq, int m_block, int head, int ctid, bool via_tma,
-                                             int v_stage) {
+                                             SeqlenInfo const& seq, int m_block, int head, int ctid, bool via_tma) {
     constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
     int const row0 = m_block * kBlockM;
     typename Traits::TiledMmaO mma_o;
@@ -84,7 +83,7 @@ __device__ __forceinline__ void store_output(typename Traits::TmaO const& tma_o,
     store_lse(params.lse, coord_rc, lse, params, seq, head, row0);
     Tensor r_o = convert_fragment<typename Traits::Element>(acc_o);
     if (via_tma) {
-        store_output_tma<Traits>(tma_o, shared, r_o, params, seq, m_block, head, ctid, v_stage);
+        store_output_tma<Traits>(tma_o, shared, r_o, params, seq, m_block, head, ctid);
     } else {
         store_output_registers<Traits>(coord_rc, r_o, params, seq, row0, head);
     }

@@ -134,9 +134,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (params.o_partial != nullptr) {
             store_partial<Traits>(mma_o, acc_o, lse, params, t.seq, t.blk.block, t.blk.head, t.split, ctid);
         } else {
-            // With Traits::kOInVStage the output stages in the V stage of the tile's last block.
             store_output<Traits>(args.tma_o, shared, acc_o, lse, params, t.seq, t.blk.block, t.blk.head, ctid,
-                                 via_tma, (state.v.index + Traits::kStages - 1) % Traits::kStages);
+                                 via_tma);
         }
         if constexpr (Traits::kOAliasesV) {
             if (!via_tma && !t.n_range.empty() && ctid % 128 == 0) {

@@ -56,7 +56,6 @@ struct PipelineState {
     RingState<kStages> k, v;
     uint32_t q_phase = 0;  // flips with every tile that loads Q
     uint32_t o_phase = 0;  // flips with every tile that loads Q (with Traits::kOAliasesV)
-    int o_stage = 0;       // with Traits::kOInVStage: the V stage that holds the previous tile's output
 };
 
 // Producer (one thread): the tile's Q, by TMA (coordinates (row, col, head, batch entry), this sequence's rows first;
@@ -82,25 +81,17 @@ __device__ __forceinline__ void load_q(FwdKernelParams<Traits, kPaged> const& ar
 
 // The producers' order over a tile's key blocks n_range, last-first, as the consumers use them: K(n), then V(n + 1),
 // and V(n_range.lo) last (load_v's second argument: whether it is that one, a compile-time bool). With
-// Traits::kOAliasesV the tile's first V waits until the previous tile's output stores have read V's ring; with
-// Traits::kOInVStage only the first V into the stage that holds that output does (or the tile's end).
+// Traits::kOAliasesV the tile's first V waits until the previous tile's output stores have read V's ring.
 template <class Traits, class LoadK, class LoadV>
 __device__ __forceinline__ void for_each_kv_block(typename Traits::SharedStorage& shared, Interval n_range,
                                                   PipelineState<Traits::kStages>& state, LoadK&& load_k,
                                                   LoadV&& load_v) {
-    auto wait_o_free = [&]() __attribute__((always_inline)) {
-        cutlass::arch::ClusterBarrier::wait(&shared.o_free, state.o_phase ^ 1);
-        state.o_phase ^= 1;
-    };
-    bool o_pending = true;  // one wait per tile: the first tile's passes at once
     auto v_block = [&](int n_block, auto last) __attribute__((always_inline)) {
-        if constexpr (Traits::kOInVStage) {
-            if (o_pending && state.v.index == state.o_stage) {
-                wait_o_free();
-                o_pending = false;
+        if constexpr (Traits::kOAliasesV) {
+            if (n_block == n_range.hi - 1) {
+                cutlass::arch::ClusterBarrier::wait(&shared.o_free, state.o_phase ^ 1);
+                state.o_phase ^= 1;
             }
-        } else if constexpr (Traits::kOAliasesV) {
-            if (n_block == n_range.hi - 1) { wait_o_free(); }
         }
         load_v(n_block, last);
     };
@@ -109,10 +100,6 @@ __device__ __forceinline__ void for_each_kv_block(typename Traits::SharedStorage
         if (n_block + 1 < n_range.hi) { v_block(n_block + 1, cute::false_type{}); }
     }
     v_block(n_range.lo, cute::true_type{});
-    if constexpr (Traits::kOInVStage) {
-        if (o_pending) { wait_o_free(); }
-        state.o_stage = (state.v.index + Traits::kStages - 1) % Traits::kStages;  // this tile's last V
-    }
 }
 
 // Producer (one thread): Q, then K(n) and V(n + 1) for every key block n of the tile, last-first. Rows past the

@@ -130,10 +130,6 @@ struct FwdTraits {
         (cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutKV> + cosize_v<SmemLayoutO>) * int(sizeof(Element)) + 1024 >
         kSmemLimit;
     static_assert(!kOAliasesV || cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutKV>);
-    // Where the output fits in one V stage, it stages in the stage of the tile's last V block (o_buffer(stage)):
-    // the next tile's first kStages - 1 V blocks land in the other stages without waiting for the output's store.
-    static constexpr int kStageElems = kBlockN * kHeadDim;
-    static constexpr bool kOInVStage = kOAliasesV && cosize_v<SmemLayoutO> <= kStageElems;
 
     struct NoBuffer {};
     struct SharedStorage {
@@ -147,10 +143,8 @@ struct FwdTraits {
         TmaRing<kStages> k_ring;
         TmaRing<kStages> v_ring;
 
-        __device__ __forceinline__ Element* o_buffer(int v_stage) {
-            if constexpr (kOInVStage) {
-                return v.data() + v_stage * kStageElems;
-            } else if constexpr (kOAliasesV) {
+        __device__ __forceinline__ Element* o_buffer() {
+            if constexpr (kOAliasesV) {
                 return v.data();
             } else {
                 return o.data();
