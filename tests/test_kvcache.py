@@ -441,8 +441,7 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_prefill_many_tiles_cuda(d, page_size, causal):
     """More query tiles than SMs: without a mask the SM90 forward's persistent CTAs take several each (at d 128 a
-    tile's output stages in the V stage of its last key block, beside the next tile's loads), causal ones one CTA per
-    tile. Read from shuffled pages (rows copied for pages of 16 and 48, 64-row boxes for 64), the output is the
+    tile's output stages in V's ring, whose next loads wait for its store), causal ones one CTA per tile. Read from shuffled pages (rows copied for pages of 16 and 48, 64-row boxes for 64), the output is the
     contiguous cache's, bit for bit where the key blocks are the same (d 64, 128), and within flash-attn's rule of the
     reference for every sequence."""
     require_kernel(d, bf16)
