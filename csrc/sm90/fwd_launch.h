@@ -122,11 +122,9 @@ cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cu
     using Traits = FwdTraits<kHeadDim, kTile, Element>;
     if (params.block_table == nullptr) { return launch_fwd<Traits>(params, hints, stream); }
     if constexpr (kTile.block_n % kPageBoxRows == 0) {
-        // A third K / V stage (at d 128 the output then stages in V's ring): rows copied by the producer land later
-        // than a TMA block (pages of 16, d 128: 1.10-1.25x the contiguous cache with two stages, 1.09-1.12x with
-        // three; H100, RESULTS.md).
-        return launch_fwd<FwdTraits<kHeadDim, FwdTile{.block_m = kTile.block_m, .block_n = kTile.block_n,
-                                                      .kv_stages = 3}, Element>, true>(params, hints, stream);
+        // The dense kernel's two K / V stages: a third bought nothing once the producer warpgroup copies whole lines
+        // (d 128, pages of 16, 64 and 128: equal or up to 3% slower with three; H100, RESULTS.md).
+        return launch_fwd<Traits, true>(params, hints, stream);
     } else {
         // d 256's 80-key blocks would straddle pages: blocks of 64 (two stages are all that fit beside Q).
         return launch_fwd<FwdTraits<kHeadDim, FwdTile{.block_m = kTile.block_m, .block_n = kPageBoxRows,

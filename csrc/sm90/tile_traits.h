@@ -57,8 +57,9 @@ struct FwdTraits {
     static_assert(register_split_fits(kNThreads, kProducerRegisters, kConsumerWarpGroups, kConsumerRegisters));
     // The paged kernels' producer warpgroup may copy rows (load_page_rows): with two consumer warpgroups it takes 32
     // registers from theirs, and copies with 8 lanes to a row (ptxas at d 128: 356/508 B spilled with a 24-register
-    // producer and 4 lanes, 16/16 B at 56 with 8, as in the dense kernel; no consumer spills at 224); three (d 64) have
-    // none to spare (152 spilled), and there 4 lanes to a row keep the producer's spills lower than 8.
+    // producer and 4 lanes, 8/8 B at 56 with 8; no consumer spills at 224; the dense kernel's 24/240 was slower even
+    // for 64-row boxes, H100, RESULTS.md); three (d 64) have none to spare (152 spilled), and there 4 lanes to a row
+    // keep the producer's spills lower than 8.
     static constexpr int kPagedProducerRegisters = kConsumerWarpGroups == 2 ? 56 : 32;
     static constexpr int kPagedConsumerRegisters = kConsumerWarpGroups == 2 ? 224 : 160;
     static_assert(register_split_fits(kNThreads, kPagedProducerRegisters, kConsumerWarpGroups,
