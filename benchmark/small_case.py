@@ -118,7 +118,7 @@ def decode_case(d):
                 table = order.view(b, pages).int()
                 flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table, causal=True,
                                         num_splits=num_splits)
-    # More query tiles than SMs, unmasked: persistent CTAs take several, so an output staged in V's ring meets the next
+    # More query tiles than SMs, unmasked: persistent CTAs take several, so one tile's output stores meet the next
     # tile's loads.
     q = torch.randn(b, 130, 96, d, dtype=BF16, device="cuda")
     for page in (16, 64):
