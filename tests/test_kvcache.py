@@ -440,10 +440,10 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
 @pytest.mark.parametrize("page_size", [16, 48, 64])
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_prefill_many_tiles_cuda(d, page_size, causal):
-    """More query tiles than SMs: without a mask the SM90 forward's persistent CTAs take several each (at d 128 a
-    tile's output stages in V's ring, whose next loads wait for its store), causal ones one CTA per tile. Read from shuffled pages (rows copied for pages of 16 and 48, 64-row boxes for 64), the output is the
-    contiguous cache's, bit for bit where the key blocks are the same (d 64, 128), and within flash-attn's rule of the
-    reference for every sequence."""
+    """More query tiles than SMs: without a mask the SM90 forward's persistent CTAs take several each (one tile's
+    output stores beside the next tile's loads), causal ones one CTA per tile. Read from shuffled pages (rows copied
+    for pages of 16 and 48, 64-row boxes for 64), the output is the contiguous cache's, bit for bit where the key
+    blocks are the same (d 64, 128), and within flash-attn's rule of the reference for every sequence."""
     require_kernel(d, bf16)
     b, sq, h, hk, sk = 2, 400, 48, 8, 1000
     q = torch.randn(b, sq, h, d, dtype=bf16, device="cuda")

@@ -68,7 +68,7 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
         args.pages.v = tma_kv(params.v, params.page_size, params.v_row_stride, params.v_head_stride,
                               params.v_batch_stride, params.num_pages);
         // Blocks that straddle pages: TMA boxes of kPageBoxRows rows where the page size is a multiple of that (d 128:
-        // two boxes per block, 4-7% over the contiguous cache; rows 3-12%; H100, RESULTS.md), else rows.
+        // two boxes per block, 5-7% over the contiguous cache; rows 7-11%; H100, RESULTS.md), else rows.
         args.pages.rows = params.page_size % Traits::kBlockN != 0 && params.page_size % kPageBoxRows != 0;
         if (params.page_size % Traits::kBlockN != 0 && !args.pages.rows) {
             auto tma_boxes = [&](void const* ptr, int64_t row_stride, int64_t head_stride, int64_t page_stride) {
