@@ -293,10 +293,11 @@ def fwd_split(
     num_splits is -num_splits chosen by split_count, which the binding may lower, to a third at most, where fewer
     chunks merge inside clusters and more do not). tier: the caller's tier override (None: the default). With
     block_table (int32 (b, max_blocks)), k/v are page pools (num_pages, page_size, hk, d) read in place: key j of
-    sequence i is row j % page_size of page block_table[i, j // page_size]. packed_heads > 1: q is GQA-packed
-    (interface.pack_gqa), row r masked as query r // packed_heads; or q is one unpacked query row (b, 1, hk *
-    packed_heads, d), which the binding packs (a view) and returns unpacked. leftpad_k (int32 (b,)): sequence i's
-    keys are its rows [leftpad_k[i], seqused_k[i]). Returns (out, lse (b, h, sq))."""
+    sequence i is row j % page_size of page block_table[i, j // page_size]. packed_heads > 1: the kernel GQA-packs
+    the query heads of each kv head as rows (row r: query r // packed_heads, masked as that query), of q unpacked
+    (b, sq, hk * packed_heads, d), or packed already by interface.pack_gqa (b, sq * packed_heads, hk, d); out and
+    lse come back in q's layout. leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i],
+    seqused_k[i]). Returns (out, lse (b, h, sq)), h and sq q's."""
     return split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right,
                               softcap, num_splits, packed_heads, tier)
 
@@ -358,17 +359,8 @@ def decode_attention(route: DecodeRoute, q, k, v, seqused_k, block_table, leftpa
 @fwd_split.register_fake
 def _split_fake(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right, softcap,
                 num_splits, packed_heads, tier):
-    """The forward's outputs, but as the binding lays out a GQA-packed one-row call's (b, group, hk, d) output: the
-    strides of a contiguous (b, 1, h, d) tensor, which unpack_gqa then views without a copy; one unpacked query row
-    (b, 1, h, d), which the binding packs, comes back unpacked: (b, 1, h, d) and lse (b, h, 1)."""
-    b, rows, hk, d = q.shape
-    if packed_heads > 1 and rows == 1 and hk == k.shape[2] * packed_heads:
-        return q.new_empty(q.shape), q.new_empty((b, hk, 1), dtype=torch.float32)
-    if packed_heads > 1 and rows == packed_heads:
-        out = q.new_empty_strided((b, rows, hk, d), (hk * rows * d, d, rows * d, 1))
-    else:
-        out = _outputs_like(q)[0]
-    return out, q.new_empty(_lse_shape(q), dtype=torch.float32)
+    """The forward's outputs in q's layout, packed or not: contiguous."""
+    return _outputs_like(q)[0], q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
 class _EagerAttention(torch.autograd.Function):

@@ -192,13 +192,11 @@ def _decode_forward(q, k, v, softmax_scale, window, softcap, tier, route):
     b, sq, h, d = q.shape
     hk = k.shape[2]
     group = h // hk
-    # One query row is packed by the binding (as a view) and comes back unpacked.
-    repack = group > 1 and sq > 1
+    # The kernel packs the rows, which come back unpacked.
     splits = _ops.split_count(0, b, hk, sq * group, k.shape[1], d, route.sm_count)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = _ops.decode_attention(route, pack_gqa(q, hk) if repack else q, k, v, None, None, None, scale, *window,
-                                     softcap, -splits, group, tier)  # negative: an automatic count
-    return unpack_gqa(out, lse, sq) if repack else (out, lse)
+    return _ops.decode_attention(route, q, k, v, None, None, None, scale, *window, softcap, -splits, group,
+                                 tier)  # negative: an automatic count
 
 
 def _varlen_forward(q, k, v, sequences, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,

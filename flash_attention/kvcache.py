@@ -263,8 +263,8 @@ def flash_attn_with_kvcache(
                                                                                         k_cache.shape[1])
     native = can_split and (sq <= 64 or faster_tier or _ops.split_tier_is_default(q, tier))
     pack = group > 1 and (exact or native) and not faster_tier
-    # A native call's one query row is packed by the binding (as a view) and comes back unpacked.
-    repack = pack and not (native and sq == 1)
+    # A native call's rows are packed by the kernel, and come back unpacked.
+    repack = pack and not native
     if pack:
         rows, heads = sq * group, hk
     else:

@@ -466,40 +466,31 @@ def test_paged_prefill_many_tiles_cuda(d, page_size, causal):
         assert torch.allclose(lse[i:i + 1], ref_lse.float(), atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("sq, packed", [(1, 4), (3, 4), (1, 1)])
-def test_split_fake_lays_out_as_the_binding(sq, packed):
-    """fwd_split's fake gives a GQA-packed one-row call's output the binding's layout (a view of a contiguous (b, 1,
-    h, d) tensor, which unpack_gqa views again, without a copy), others a contiguous one; one unpacked query row,
-    which the binding packs, comes back unpacked and contiguous: torch.compile trusts it."""
-    from flash_attention import _ops, interface
+@pytest.mark.parametrize("sq, packed, unpacked", [(1, 4, False), (3, 4, False), (1, 1, False), (1, 4, True),
+                                                (3, 4, True)])
+def test_split_fake_lays_out_as_the_binding(sq, packed, unpacked):
+    """fwd_split's fake gives out and lse in q's layout, GQA-packed (b, sq * group, hk, d) or unpacked (b, sq, h, d),
+    whose rows the kernel packs: contiguous, as the binding allocates them, so torch.compile can trust it."""
+    from flash_attention import _ops
     b, hk, d = 2, 3, 16
     k = torch.randn(b, 5, hk, d, dtype=bf16)
-    if packed > 1 and sq == 1:
-        one_row = torch.randn(b, 1, hk * packed, d, dtype=bf16)
-        out, lse = _ops._split_fake(one_row, k, k, None, None, None, 0.25, -1, -1, 0.0, 2, packed, None)
-        assert out.shape == one_row.shape and out.is_contiguous()
-        assert lse.shape == (b, hk * packed, 1) and lse.is_contiguous() and lse.dtype == torch.float32
-    q = torch.randn(b, sq * packed, hk, d, dtype=bf16)
+    q = torch.randn(*((b, sq, hk * packed, d) if unpacked else (b, sq * packed, hk, d)), dtype=bf16)
     out, lse = _ops._split_fake(q, k, k, None, None, None, 0.25, -1, -1, 0.0, 2, packed, None)
-    assert out.shape == q.shape and lse.shape == (b, hk, sq * packed)
-    if packed > 1 and sq == 1:
-        assert out.stride() == (hk * packed * d, d, packed * d, 1)
-        full, _ = interface.unpack_gqa(out, lse, sq)
-        assert full.is_contiguous() and full.data_ptr() == out.data_ptr()
-    else:
-        assert out.is_contiguous()
+    assert out.shape == q.shape and out.is_contiguous()
+    assert lse.shape == (b, q.shape[2], q.shape[1]) and lse.is_contiguous() and lse.dtype == torch.float32
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("sq, packed, unpacked", [(1, 4, False), (3, 4, False), (1, 1, False), (1, 4, True)])
+@pytest.mark.parametrize("sq, packed, unpacked", [(1, 4, False), (3, 4, False), (1, 1, False), (1, 4, True),
+                                                (3, 4, True)])
 def test_split_opcheck_cuda(sq, packed, unpacked):
     """torch.library.opcheck of fwd_split (schema, fake against the binding's outputs, dynamic shapes), packed or not,
-    and one unpacked query row that the binding packs."""
+    and unpacked rows that the kernel packs."""
     from flash_attention import _ops
     require_kernel(64, bf16)
     require_kernel(64, bf16, "combine")
     b, hk, d, sk = 2, 2, 64, 300
-    shape = (b, 1, hk * packed, d) if unpacked else (b, sq * packed, hk, d)
+    shape = (b, sq, hk * packed, d) if unpacked else (b, sq * packed, hk, d)
     q = torch.randn(*shape, dtype=bf16, device="cuda")
     k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
     if _ops.decode_route(q, None) is None:
@@ -509,12 +500,13 @@ def test_split_opcheck_cuda(sq, packed, unpacked):
                           (q, k, v, used, None, None, d ** -0.5, -1, 0, 0.0, 3, packed, None))
 
 
-def one_row_inputs(b, h, hk, d, sk):
-    """q (one query row per head), k and v (bf16) for fwd_split, or a skip where the build lacks its kernels."""
+def decode_inputs(b, h, hk, d, sk, sq=1):
+    """q (sq query rows per head, one by default), k and v (bf16) for fwd_split, or a skip where the build lacks its
+    kernels."""
     from flash_attention import _ops
     require_kernel(d, bf16)
     require_kernel(d, bf16, "combine")
-    q = torch.randn(b, 1, h, d, dtype=bf16, device="cuda")
+    q = torch.randn(b, sq, h, d, dtype=bf16, device="cuda")
     k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
     if _ops.decode_route(q, None) is None:
         pytest.skip("no split kernels for this head dim")
@@ -528,7 +520,7 @@ def test_automatic_split_count_cuda():
     one of the allowed counts' bit for bit, and matches the reference."""
     from flash_attention import _ops
     b, h, hk, d, sk = 16, 4, 1, 128, 8192
-    q, k, v = one_row_inputs(b, h, hk, d, sk)
+    q, k, v = decode_inputs(b, h, hk, d, sk)
     used = torch.full((b,), sk, dtype=torch.int32, device="cuda")
     run = lambda splits: _ops.split_attention(q, k, v, used, None, None, d ** -0.5, -1, -1, 0.0, splits, h, None)
     out, lse = run(-16)
@@ -546,7 +538,7 @@ def test_unmerged_kernels_cuda(splits):
     chunks merged inside a cluster (checked on sm_90). The combine kernel is named by the profiler."""
     from flash_attention import _ops
     b, h, hk, d, sk = 1, 8, 8, 128, 1024
-    q, k, v = one_row_inputs(b, h, hk, d, sk)
+    q, k, v = decode_inputs(b, h, hk, d, sk)
     run = lambda: _ops.split_attention(q, k, v, None, None, None, d ** -0.5, -1, -1, 0.0, splits, 1, None)
     run()
     torch.cuda.synchronize()
@@ -563,29 +555,30 @@ def test_unmerged_kernels_cuda(splits):
 @pytest.mark.cuda
 @pytest.mark.parametrize("splits", [1, 3, 17])
 @pytest.mark.parametrize("page_size", [None, 16])
-def test_split_packs_one_row_cuda(splits, page_size):
-    """One query row of every head, handed to fwd_split unpacked, is packed by the binding (a view) and comes back
-    unpacked: the same bits as pack_gqa, the packed call and unpack_gqa, unsplit, merged inside a cluster (3 splits,
-    on Hopper) or by the combine kernel (17)."""
+@pytest.mark.parametrize("sq, d", [(1, 128), (3, 128), (5, 64), (20, 64)])
+def test_split_packs_rows_cuda(splits, page_size, sq, d):
+    """The query rows of every head, handed to fwd_split unpacked, are GQA-packed by the kernel and come back unpacked:
+    the same bits as pack_gqa, the packed call and unpack_gqa, causal, unsplit, merged inside a cluster (3 splits, on
+    Hopper) or by the combine kernel (17); 16-row tiles (up to 16 packed rows) and 64-row ones (20 x 4 rows)."""
     from flash_attention import _ops, interface
-    b, h, hk, d, sk = 3, 8, 2, 128, 700
-    q, k, v = one_row_inputs(b, h, hk, d, sk)
+    b, h, hk, sk = 3, 8, 2, 700
+    q, k, v = decode_inputs(b, h, hk, d, sk, sq)
     used = torch.tensor([0, 300, sk], dtype=torch.int32, device="cuda")
     table = None
     if page_size is not None:
         k, v, table = pages_of(k, v, page_size)
     args = (used, table, None, d ** -0.5, -1, 0, 0.0, splits, h // hk, None)
     out, lse = _ops.split_attention(q, k, v, *args)
-    ref_out, ref_lse = interface.unpack_gqa(*_ops.split_attention(interface.pack_gqa(q, hk), k, v, *args), 1)
-    assert out.shape == q.shape and lse.shape == (b, h, 1)
+    ref_out, ref_lse = interface.unpack_gqa(*_ops.split_attention(interface.pack_gqa(q, hk), k, v, *args), sq)
+    assert out.shape == q.shape and lse.shape == (b, h, sq)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1:].abs().amax() > 0
 
 
 @pytest.mark.cuda
 def test_decode_compiled_matches_eager_cuda():
-    """A GQA decode step of flash_attn_func under torch.compile(fullgraph=True) (the traced fwd_split op, its packed
-    one-row output laid out as the fake says) gives eager's bits."""
+    """A GQA decode step of flash_attn_func under torch.compile(fullgraph=True) (the traced fwd_split op, whose
+    kernel packs the rows, its output laid out as the fake says) gives eager's bits."""
     from flash_attention import flash_attn_func
     require_kernel(64, bf16)
     q = torch.randn(2, 1, 8, 64, dtype=bf16, device="cuda")
@@ -700,15 +693,15 @@ def test_split_forward_tier(monkeypatch, sq, table, leftpad, packed, tier, expec
     (512, True, "sm80", True), (512, False, "sm90", True),
 ])
 def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, fwd_tier, native):
-    """Decode-shaped calls (at most 64 query rows) take the native split kernels, GQA-packed (one query row by the
-    binding); prefill-shaped ones do too where the split kernels' tier is the GPU's own, or unpacked where the GPU's
-    faster tier writes the split partials itself (Hopper, the SM90 forward), and are otherwise composed (one varlen
-    call, on the faster tier)."""
+    """Decode-shaped calls (at most 64 query rows) take the native split kernels, GQA-packed by the kernel (q handed
+    over unpacked, with the group as packed_heads); prefill-shaped ones do too where the split kernels' tier is the
+    GPU's own, or unpacked where the GPU's faster tier writes the split partials itself (Hopper, the SM90 forward),
+    and are otherwise composed (one varlen call, on the faster tier)."""
     from flash_attention import _ops
     split_calls = []
 
     def fake_split(q, k, v, *args):
-        split_calls.append(q.shape)
+        split_calls.append((q.shape, args[-2]))  # args[-2]: packed_heads
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
     monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132))
@@ -720,12 +713,10 @@ def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, fw
     k_cache, v_cache = (torch.randn(2, 600, 2, 64, dtype=bf16) for _ in range(2))
     flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=600, causal=True)
     assert (len(split_calls), len(stub_kernel)) == ((1, 0) if native else (0, 1))
-    if native and sq == 1:
-        assert split_calls[0] == (2, 1, 8, 64)  # one query row: packed by the binding
-    elif native and (sq <= 64 or fwd_tier == "sm80"):
-        assert split_calls[0] == (2, sq * 4, 2, 64)  # GQA-packed under the causal mask
+    if native and (sq <= 64 or fwd_tier == "sm80"):
+        assert split_calls[0] == ((2, sq, 8, 64), 4)  # GQA-packed by the kernel, under the causal mask
     elif native:
-        assert split_calls[0] == (2, sq, 8, 64)  # a prefill on the SM90 forward: not packed
+        assert split_calls[0] == ((2, sq, 8, 64), 1)  # a prefill on the SM90 forward: not packed
 
 
 @pytest.mark.parametrize("page_size, leftpad, gathered", [(3, False, True), (1, False, True), (16, False, False),

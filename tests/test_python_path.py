@@ -228,7 +228,7 @@ def same_arguments(mine, theirs):
         ((2, 70, 80, 4, 2, 64), dict(causal=True)),
         ((1, 1, 9, 4, 4, 16), dict(causal=True)),  # one causal row sees every key: no mask
         ((2, 3, 9, 4, 2, 16), dict(causal=True)),  # no gradient: a decode step, GQA-packed
-        ((2, 1, 9, 8, 2, 64), {}),  # no gradient: a GQA decode row, packed by the binding
+        ((2, 1, 9, 8, 2, 64), {}),  # no gradient: a GQA decode row, packed by the kernel
         ((2, 65, 65, 4, 4, 16), dict(softmax_scale=0.3, deterministic=True)),
         ((3, 100, 7, 2, 1, 64), dict(causal=True, window_size=(-1, -1), softcap=0.0, dropout_p=0.0)),
     ],

@@ -426,10 +426,12 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
 // be lowered): tier's forward merges the chunks inside a thread-block cluster where it can (SM80-tier decode kernels on
 // sm_90, at most 16 chunks), else writes fp32 partials that combine_tier's combine kernel merges. With block_table, k
 // and v are page pools (num_pages, page_size, hk, d), read in place. Each chunk is masked as the whole call is, so any
-// mask splits exactly. packed_heads > 1: q is GQA-packed (b, sq * packed_heads, hk, d), row r being query r /
-// packed_heads, masked as that query (or one query row of every head, (b, 1, hk * packed_heads, d), packed here and
-// returned as (b, 1, h, d) and lse (b, h, 1)). leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i],
-// seqused_k[i]). seqused_q and ALiBi are not taken (flash_attn_with_kvcache, the caller, passes neither).
+// mask splits exactly. packed_heads > 1: the kernel GQA-packs the query heads of each kv head as rows (row r: query
+// r / packed_heads of head r % packed_heads, masked as that query), q being either unpacked (b, sq, hk *
+// packed_heads, d), whose out (b, sq, h, d) and lse (b, h, sq) come back unpacked, or packed already (b, sq *
+// packed_heads, hk, d) by interface.pack_gqa, whose out and lse come back packed. leftpad_k (int32 (b,)): sequence
+// i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not taken (flash_attn_with_kvcache, the
+// caller, passes neither).
 std::tuple<at::Tensor, at::Tensor> fwd_split(
     at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in, std::optional<at::Tensor> const& seqused_k,
     std::optional<at::Tensor> const& block_table, std::optional<at::Tensor> const& leftpad_k, double softmax_scale,
@@ -440,19 +442,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     num_splits = std::abs(num_splits);
     TORCH_CHECK(num_splits >= 1 && num_splits <= 256,
                 "flash_attention: num_splits must be in [1, 256] (negative: an automatic count)");
-    // One query row of every head (b, 1, hk * packed_heads, d) is packed here, as a view (b, packed_heads, hk, d), and
-    // returned unpacked: a decode step's view ops cost more host time from Python than its kernel takes.
-    bool const pack_here = packed_heads > 1 && q_in.dim() == 4 && k_in.dim() == 4 && q_in.size(1) == 1 &&
-                           q_in.size(2) == k_in.size(2) * packed_heads;
-    at::Tensor const q_rows =
-        pack_here ? q_in.reshape({q_in.size(0), k_in.size(2), packed_heads, q_in.size(3)}).transpose(1, 2) : q_in;
-    TORCH_CHECK(packed_heads >= 1 && q_rows.dim() == 4 && q_rows.size(1) % packed_heads == 0,
-                "flash_attention: packed_heads must be >= 1 and divide q's rows");
+    TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4, "flash_attention: fwd_split takes batched q, k and v");
+    int64_t const group = packed_heads;
+    // Unpacked q: the kernel packs its rows (the copies of a packing in Python took 9 us of a 185 us decode step with
+    // four query rows; H100, RESULTS.md).
+    bool const unpacked = group > 1 && q_in.size(2) == k_in.size(2) * group;
+    TORCH_CHECK(group >= 1 && (group == 1 || unpacked || (q_in.size(2) == k_in.size(2) && q_in.size(1) % group == 0)),
+                "flash_attention: packed_heads must be >= 1, and q (b, sq, hk * packed_heads, d) unpacked or (b, sq * "
+                "packed_heads, hk, d) packed");
     std::optional<at::Tensor> const none;
     SeqArgs const seqs{none, none, none, seqused_k, 0, 0};
-    at::Tensor const q = kernel_operand(q_rows), k = kernel_operand(k_in), v = kernel_operand(v_in);
+    at::Tensor const q = kernel_operand(q_in), k = kernel_operand(k_in), v = kernel_operand(v_in);
     flash::FwdParams p{};
-    p.packed_heads = int(packed_heads);
     int64_t paged_rows = 0;
     if (block_table.has_value()) {
         auto const& t = *block_table;
@@ -466,53 +467,67 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     }
     p.leftpad_k = seq_tensor(leftpad_k, "leftpad_k", q.size(0), q);
     set_attn_params(p, q, k, v, softmax_scale, window_left, window_right, softcap, none, seqs, paged_rows);
-    auto const fp32 = q.options().dtype(at::kFloat);
-    // A decode step GQA-packed (one query row: packed rows (b, group, hk, d)) is written straight into a (b, 1, h, d)
-    // result, returned as such where q came unpacked, else viewed by unpack_gqa: its regrouping copy would be a kernel
-    // of its own.
-    int64_t const group = packed_heads;
-    bool const one_row_packed = group > 1 && q.size(1) == group;
-    at::Tensor const result = one_row_packed ? at::empty({q.size(0), 1, q.size(2) * group, q.size(3)}, q.options())
-                                             : at::empty(q.sizes(), q.options());
-    at::Tensor const out =
-        one_row_packed ? result.view({q.size(0), q.size(2), group, q.size(3)}).transpose(1, 2) : result;
-    at::Tensor const lse = at::empty({p.b, p.h, p.sq}, fp32);
-    auto const returned = [&]() -> std::tuple<at::Tensor, at::Tensor> {
-        if (pack_here) { return {result, lse.view({p.b, p.h * group, 1})}; }
-        return {out, lse};
+    // Packed rows: per kv head, query r / group of head r % group (FwdParams::packed_heads). The row strides step
+    // queries, the group strides heads of a group; the head strides step kv heads.
+    p.packed_heads = int(group);
+    if (unpacked) {
+        p.q_group_stride = p.q_head_stride;
+        p.q_head_stride *= group;
+        p.h /= int(group), p.h_per_hk = 1, p.sq *= int(group);
+        p.lse_head_stride = p.sq;  // lse (b, h, sq): a kv head's group of heads
+        p.lse_row_stride = 1, p.lse_group_stride = q.size(1);  // q.size(1): the queries
+    } else if (group > 1) {
+        p.q_group_stride = p.q_row_stride;
+        p.q_row_stride *= group;
+        p.lse_row_stride = group, p.lse_group_stride = 1;
+    }
+    // o, or the partials laid out as o: (b, rows, heads, d), q's shape.
+    auto set_o_strides = [&](at::Tensor const& o) {
+        Strides const os = strides_of(o, false);
+        p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
+        if (unpacked) {
+            p.o_group_stride = p.o_head_stride;
+            p.o_head_stride *= group;
+        } else if (group > 1) {
+            p.o_group_stride = p.o_row_stride;
+            p.o_row_stride *= group;
+        }
     };
+    auto const fp32 = q.options().dtype(at::kFloat);
+    at::Tensor const out = at::empty(q.sizes(), q.options());
+    at::Tensor const lse = at::empty({q.size(0), q.size(2), q.size(1)}, fp32);
     flash::LaunchHints const hints = launch_hints(p, q, seqs);
     // One chunk, or chunks merged inside clusters where the kernel can: the forward stores the result itself. An
     // automatic count that cannot merge there takes the largest smaller one that can, down to a third of it: 2-6%
     // faster than the partials and the combine kernel on the H100 (RESULTS.md, session 36).
     p.o = out.data_ptr();
     p.lse = lse.data_ptr<float>();
-    Strides const os = strides_of(out, false);
-    p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
+    set_o_strides(out);
     auto const* kernel = find_kernel<flash::FwdParams>("fwd", tier, kernel_head_dim, q);
     int64_t const fewest = automatic && num_splits > 1 ? std::max<int64_t>(2, (num_splits + 2) / 3) : num_splits;
     for (int64_t s = num_splits; s >= fewest; --s) {
         p.num_splits = int(s);
         if (s == 1) {
             run(kernel, "fwd", tier, kernel_head_dim, q, p, hints);
-            return returned();
+            return {out, lse};
         }
         if (kernel != nullptr && kernel->unsupported(p, hints) == nullptr) {
             launch_supported(*kernel, q, p, hints);
-            return returned();
+            return {out, lse};
         }
     }
     p.num_splits = int(num_splits);
-    at::Tensor const o_partial = at::empty({num_splits, p.b, p.sq, p.h, p.d}, fp32);
-    at::Tensor const lse_partial = at::empty({num_splits, p.b, p.h, p.sq}, fp32);
+    // Laid out as out and lse, so that the combine merges them into out unpacked.
+    at::Tensor const o_partial = at::empty({num_splits, q.size(0), q.size(1), q.size(2), p.d}, fp32);
+    at::Tensor const lse_partial = at::empty({num_splits, q.size(0), q.size(2), q.size(1)}, fp32);
     p.o_partial = o_partial.data_ptr<float>();
     p.lse_partial = lse_partial.data_ptr<float>();
     p.o_partial_split_stride = o_partial.stride(0);
     p.lse_partial_split_stride = lse_partial.stride(0);
-    p.o_batch_stride = o_partial.stride(1), p.o_row_stride = o_partial.stride(2), p.o_head_stride = o_partial.stride(3);
+    set_o_strides(o_partial[0]);
     run(kernel, "fwd", tier, kernel_head_dim, q, p, hints);
     combine(o_partial, lse_partial.transpose(2, 3), out, lse, kernel_head_dim, combine_tier);
-    return returned();
+    return {out, lse};
 }
 
 // Eager forward with its backward as a C++ autograd node, so that an eager training step pays no Python in the

@@ -76,9 +76,14 @@ struct FwdParams : AttnParams {
     // kernels, batched calls; nullptr: none): the keys are rows [leftpad_k[b], the sequence's end), clamped.
     int const* __restrict__ leftpad_k;
 
-    // GQA-packed queries (SM80-tier decode kernels; 1: none): q holds, per kv head, packed_heads query heads per query
-    // position, row r being query r / packed_heads, so masks and key ranges follow r / packed_heads.
+    // GQA-packed queries (SM80-tier decode kernels; 1: none): the rows of kv head j are, per query position, its
+    // packed_heads query heads: row r is query r / packed_heads of the group's head r % packed_heads, so masks and key
+    // ranges follow r / packed_heads. q, o (or the partials) and lse advance by their row strides per query and by
+    // their group strides per head of the group (packed_row_offset); q_head_stride and o_head_stride step whole
+    // groups, and lse_head_stride is packed_heads * the queries. Unpacked, lse_row_stride is 1.
     int packed_heads = 1;
+    int64_t q_group_stride = 0, o_group_stride = 0;
+    int64_t lse_row_stride = 1, lse_group_stride = 0;
 };
 
 struct BwdParams : AttnParams {

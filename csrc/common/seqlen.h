@@ -69,4 +69,10 @@ __device__ __forceinline__ int page_slot(FwdParams const& p, int key) {
 }
 __device__ __forceinline__ int pool_page(FwdParams const& p, int entry) { return min(max(entry, 0), p.num_pages - 1); }
 
+// Where row `row` of a kv head's GQA-packed rows (FwdParams::packed_heads: `group`) lies from its first: query
+// row / group, head row % group of the kv head's group.
+__device__ __forceinline__ int64_t packed_row_offset(int row, int group, int64_t row_stride, int64_t group_stride) {
+    return int64_t(row / group) * row_stride + int64_t(row % group) * group_stride;
+}
+
 }  // namespace flash

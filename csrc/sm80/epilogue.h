@@ -194,10 +194,10 @@ __device__ __forceinline__ void merge_splits_in_cluster(TiledMma const& tiled_mm
     int const rows = min(kBlockM, seq.q.len - row0);
     uint32_t const lse_addr = uint32_t(__cvta_generic_to_shared(s_lse));
     uint32_t const o_addr = uint32_t(__cvta_generic_to_shared(s_o));
+    // The sequence's first row of the head; its rows GQA-packed (FwdParams::packed_heads, 1 for none).
     Element* o = static_cast<Element*>(params.o) +
-                 seq.q_offset(params.o_batch_stride, params.o_row_stride, params.o_head_stride, head) +
-                 int64_t(row0) * params.o_row_stride;
-    float* lse_out = params.lse + seq.row_stats_index(params, head) + row0;
+                 seq.q_offset(params.o_batch_stride, params.o_row_stride, params.o_head_stride, head);
+    float* lse_out = params.lse + seq.row_stats_index(params, head);
     for (int u = int(cute::block_rank_in_cluster()) * kThreads + int(threadIdx.x); u < rows * groups;
          u += splits * kThreads) {
         int const row = u / groups, col = u % groups * 4;
@@ -218,8 +218,12 @@ __device__ __forceinline__ void merge_splits_in_cluster(TiledMma const& tiled_mm
         cutlass::AlignedArray<Element, 4> out;
         CUTE_UNROLL
         for (int j = 0; j < 4; ++j) { out[j] = Element(merged[j]); }
-        *reinterpret_cast<cutlass::AlignedArray<Element, 4>*>(o + int64_t(row) * params.o_row_stride + col) = out;
-        if (col == 0) { lse_out[row] = merge.lse(); }
+        int const g = params.packed_heads;
+        *reinterpret_cast<cutlass::AlignedArray<Element, 4>*>(
+            o + packed_row_offset(row0 + row, g, params.o_row_stride, params.o_group_stride) + col) = out;
+        if (col == 0) {
+            lse_out[packed_row_offset(row0 + row, g, params.lse_row_stride, params.lse_group_stride)] = merge.lse();
+        }
     }
     // This CTA is done reading the others' shared memory: relaxed, since each remote load's value has been stored to
     // global memory above (the loop reconverges before the arrive), so no load is in flight; a release arrive would

@@ -179,7 +179,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
             cp_async_fence();
         };
 
-        load_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);  // joins the first K/V group
+        // Q joins the first K/V group. GQA-packed rows lie apart: row by row.
+        if (kPackedRows && packed > 1) {
+            Element const* q_first = static_cast<Element const*>(params.q) +
+                                     seq.q_offset(params.q_batch_stride, params.q_row_stride, params.q_head_stride,
+                                                  blk.head);
+            auto row_ptr = [&](int row) -> Element const* {
+                if (row0 + row >= sq) { return nullptr; }
+                return q_first + packed_row_offset(row0 + row, packed, params.q_row_stride, params.q_group_stride);
+            };
+            load_rows<Traits::kThreadsPerRow>(gmem_copy, tQgQ, tQsQ, tQcQ, row_ptr, q_first, d);
+        } else {
+            load_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);
+        }
         CUTE_UNROLL
         for (int i = 0; i < max(kPrefetch, 1); ++i) { load_kv(i, cute::true_type{}); }
 
@@ -276,13 +288,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         }
     }
     if (params.o_partial != nullptr) {
-        store_partial<Traits>(tiled_mma_o, acc_o, lse, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
-                              out_blk.head, int(blockIdx.y), store_tid);
+        store_partial<Traits, kPackedRows>(tiled_mma_o, acc_o, lse, params, SeqlenInfo(params, out_blk.batch),
+                                           out_blk.block, out_blk.head, int(blockIdx.y), store_tid);
         return;
     }
+    auto store_from_registers = [&] {
+        store_output_rows<Traits, kPackedRows>(tiled_mma_o, acc_o, lse, params, SeqlenInfo(params, out_blk.batch),
+                                               out_blk.block, out_blk.head, store_tid);
+    };
     if constexpr (Traits::kWarpsOverKeys) {
-        store_output_rows<Traits>(tiled_mma_o, acc_o, lse, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
-                                  out_blk.head, store_tid);
+        store_from_registers();
+    } else if (kPackedRows && params.packed_heads > 1) {  // GQA-packed rows lie apart
+        store_from_registers();
     } else {
         store_output<Traits>(tiled_mma, acc_o, lse, smem, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
                              out_blk.head, store_tid);
