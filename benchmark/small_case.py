@@ -104,7 +104,9 @@ def decode_case(d):
     b, cache_len, h, hk = 3, 384, 8, 2
     k_cache, v_cache = (torch.randn(b, cache_len, hk, d, dtype=BF16, device="cuda") for _ in range(2))
     seqlens = int32([0, 77, cache_len - 2])
-    for sq in (1, 3, 130):  # 130 rows: prefill-shaped (on Hopper the SM90 forward's split partials)
+    # 3 and 20 rows: GQA-packed by the kernel into one 16-row and two 64-row tiles; 130 rows: prefill-shaped (on Hopper
+    # the SM90 forward's split partials).
+    for sq in (1, 3, 20, 130):
         q = torch.randn(b, sq, h, d, dtype=BF16, device="cuda")
         for num_splits in (1, 3, 17):
             for window in ((-1, -1), (20, 0)):
