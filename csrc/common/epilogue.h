@@ -22,13 +22,14 @@ __device__ __forceinline__ void store_lse(float* dest, CoordRC const& coord_rc, 
                                           FwdParams const& params, SeqlenInfo const& seq, int head, int row0) {
     if (cute::get<1>(coord_rc(0, 0)) != 0) { return; }
     float* lse_first = dest + seq.row_stats_index(params, head);
+    // Read before the stores, which could alias params for all the compiler knows.
+    int const group = params.packed_heads;
+    int64_t const row_stride = params.lse_row_stride, group_stride = params.lse_group_stride;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
         int const row = row0 + cute::get<0>(coord_rc(r, 0));
         if (row < seq.q.len) {
-            lse_first[kPackedRows ? packed_row_offset(row, params.packed_heads, params.lse_row_stride,
-                                                      params.lse_group_stride)
-                                  : row] = lse[r];
+            lse_first[kPackedRows ? packed_row_offset(row, group, row_stride, group_stride) : row] = lse[r];
         }
     }
 }
@@ -53,6 +54,7 @@ __device__ __forceinline__ void store_row_pairs(CoordRC const& coord_rc, FragRC 
     for (int r = 0; r < cute::size<0>(frag_rc); ++r) {
         int const row = cute::get<0>(coord_rc(r, 0));
         if (row < rows_left) {
+            Element* const row_base = base + row_offset(rows, row);
             CUTE_UNROLL
             for (int c = 0; c < cute::size<1>(frag_rc); c += 2) {
                 int const col = cute::get<1>(coord_rc(r, c));
@@ -60,8 +62,7 @@ __device__ __forceinline__ void store_row_pairs(CoordRC const& coord_rc, FragRC 
                     cutlass::AlignedArray<Element, 2> pair;
                     pair[0] = to_element(frag_rc(r, c));
                     pair[1] = to_element(frag_rc(r, c + 1));
-                    Element* dest = base + row_offset(rows, row) + col;
-                    *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(dest) = pair;
+                    *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(row_base + col) = pair;
                 }
             }
         }
@@ -84,8 +85,10 @@ __device__ __forceinline__ void store_rows(TiledMma const& tiled_mma, AccO const
         cute::make_identity_tensor(cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{})));
     store_lse<kPackedRows>(lse_dest, coord_rc, lse, params, seq, head, row0);
     if constexpr (kPackedRows) {
-        auto const rows = [&](int row) {
-            return packed_row_offset(row0 + row, params.packed_heads, params.o_row_stride, params.o_group_stride);
+        // By value: the stores between the calls could alias params for all the compiler knows.
+        auto const rows = [row0, group = params.packed_heads, row_stride = params.o_row_stride,
+                           group_stride = params.o_group_stride](int row) {
+            return packed_row_offset(row0 + row, group, row_stride, group_stride);
         };
         store_row_pairs(coord_rc, rowcol_view(acc_o), o, rows, seq.q.len - row0, params.d, to_out);
     } else {

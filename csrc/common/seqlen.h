@@ -72,7 +72,8 @@ __device__ __forceinline__ int pool_page(FwdParams const& p, int entry) { return
 // Where row `row` of a kv head's GQA-packed rows (FwdParams::packed_heads: `group`) lies from its first: query
 // row / group, head row % group of the kv head's group.
 __device__ __forceinline__ int64_t packed_row_offset(int row, int group, int64_t row_stride, int64_t group_stride) {
-    return int64_t(row / group) * row_stride + int64_t(row % group) * group_stride;
+    unsigned const query = unsigned(row) / unsigned(group);  // unsigned: fewer instructions than a signed division
+    return int64_t(query) * row_stride + int64_t(unsigned(row) - query * unsigned(group)) * group_stride;
 }
 
 }  // namespace flash
