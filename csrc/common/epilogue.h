@@ -25,11 +25,12 @@ __device__ __forceinline__ void store_lse(float* dest, CoordRC const& coord_rc, 
     // Read before the stores, which could alias params for all the compiler knows.
     int const group = params.packed_heads;
     int64_t const row_stride = params.lse_row_stride, group_stride = params.lse_group_stride;
+    int64_t const uniform = kPackedRows ? uniform_row_stride(group, seq.q.len, row_stride, group_stride) : 1;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
         int const row = row0 + cute::get<0>(coord_rc(r, 0));
         if (row < seq.q.len) {
-            lse_first[kPackedRows ? packed_row_offset(row, group, row_stride, group_stride) : row] = lse[r];
+            lse_first[uniform != 0 ? row * uniform : packed_row_offset(row, group, row_stride, group_stride)] = lse[r];
         }
     }
 }
@@ -84,16 +85,18 @@ __device__ __forceinline__ void store_rows(TiledMma const& tiled_mma, AccO const
     auto const coord_rc = rowcol_view(tiled_mma.get_thread_slice(tid).partition_C(
         cute::make_identity_tensor(cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{})));
     store_lse<kPackedRows>(lse_dest, coord_rc, lse, params, seq, head, row0);
-    if constexpr (kPackedRows) {
+    int64_t const uniform = kPackedRows ? uniform_row_stride(params.packed_heads, seq.q.len, params.o_row_stride,
+                                                             params.o_group_stride)
+                                        : params.o_row_stride;
+    if (uniform != 0) {
+        store_row_pairs(coord_rc, rowcol_view(acc_o), o + row0 * uniform, uniform, seq.q.len - row0, params.d, to_out);
+    } else {
         // By value: the stores between the calls could alias params for all the compiler knows.
         auto const rows = [row0, group = params.packed_heads, row_stride = params.o_row_stride,
                            group_stride = params.o_group_stride](int row) {
             return packed_row_offset(row0 + row, group, row_stride, group_stride);
         };
         store_row_pairs(coord_rc, rowcol_view(acc_o), o, rows, seq.q.len - row0, params.d, to_out);
-    } else {
-        store_row_pairs(coord_rc, rowcol_view(acc_o), o + int64_t(row0) * params.o_row_stride, params.o_row_stride,
-                        seq.q.len - row0, params.d, to_out);
     }
 }
 

@@ -76,4 +76,11 @@ __device__ __forceinline__ int64_t packed_row_offset(int row, int group, int64_t
     return int64_t(query) * row_stride + int64_t(unsigned(row) - query * unsigned(group)) * group_stride;
 }
 
+// The stride between `rows` rows where one stride spans them all, else 0: unpacked rows (group 1: row_stride), or
+// the GQA-packed rows of a single query, which are its group's heads (group_stride). Such rows load and store as a
+// plain tile, with none of packed_row_offset's divisions (a decode step's one query row).
+__device__ __forceinline__ int64_t uniform_row_stride(int group, int rows, int64_t row_stride, int64_t group_stride) {
+    return group == 1 ? row_stride : rows <= group ? group_stride : 0;
+}
+
 }  // namespace flash

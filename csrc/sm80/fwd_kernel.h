@@ -103,10 +103,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     softmax.init();
 
     if (n_blocks > 0) {
+        // GQA-packed rows load as a tile where one stride spans them (one query), else row by row.
+        int64_t const q_uniform =
+            kPackedRows ? uniform_row_stride(packed, sq, params.q_row_stride, params.q_group_stride)
+                        : params.q_row_stride;
         Tensor mQ = head_rows<kHeadDim>(static_cast<Element const*>(params.q) +
                                             seq.q_offset(params.q_batch_stride, params.q_row_stride,
                                                          params.q_head_stride, blk.head),
-                                        sq, params.q_row_stride);
+                                        sq, q_uniform != 0 ? q_uniform : params.q_row_stride);
         Tensor mK = head_rows<kHeadDim>(static_cast<Element const*>(params.k) +
                                             seq.k_offset(params.k_batch_stride, params.k_row_stride,
                                                          params.k_head_stride, head_kv),
@@ -179,8 +183,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
             cp_async_fence();
         };
 
-        // Q joins the first K/V group. GQA-packed rows lie apart: row by row.
-        if (kPackedRows && packed > 1) {
+        // Q joins the first K/V group.
+        if (kPackedRows && q_uniform == 0) {
             Element const* q_first = static_cast<Element const*>(params.q) +
                                      seq.q_offset(params.q_batch_stride, params.q_row_stride, params.q_head_stride,
                                                   blk.head);
