@@ -576,6 +576,24 @@ def test_split_packs_rows_cuda(splits, page_size, sq, d):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("h, hk, d", [(40, 2, 128), (160, 1, 64)])
+def test_split_one_query_many_heads_cuda(splits, h, hk, d):
+    """One query row of 20 and of 160 heads per kv head: the packed rows, its group's heads one stride apart, load and
+    store as a plain tile (uniform_row_stride), in one 64-row tile and in three (rows from 64 on at a tile's offset),
+    unsplit or merged (3 chunks): against the fp32 reference, lse included."""
+    from flash_attention import _ops
+    b, sk = 2, 700
+    q, k, v = decode_inputs(b, h, hk, d, sk)
+    out, lse = _ops.split_attention(q, k, v, None, None, None, d ** -0.5, -1, -1, 0.0, splits, h // hk, None)
+    ref_out, ref_lse = attention_ref(q, k, v)
+    low_out, _ = attention_ref(q, k, v, upcast=False)
+    err, low_err = ((o.float() - ref_out.float()).abs().max() for o in (out, low_out))
+    assert out.shape == q.shape and lse.shape == (b, h, 1)
+    assert err <= 2 * low_err + 1e-4 and torch.allclose(lse, ref_lse.float(), atol=1e-3, rtol=0)
+
+
+@pytest.mark.cuda
 def test_decode_compiled_matches_eager_cuda():
     """A GQA decode step of flash_attn_func under torch.compile(fullgraph=True) (the traced fwd_split op, whose
     kernel packs the rows, its output laid out as the fake says) gives eager's bits."""
