@@ -318,10 +318,10 @@ __device__ __forceinline__ void persistent_tiles(BwdKernelParams<Traits> const& 
     }
 }
 
-// Traits::kKVStages 2: a grid of one CTA per SM walking the tiles (persistent_tiles), else one CTA per tile.
+// Traits::kPersistent (kKVStages 2): a grid of one CTA per SM walking the tiles (persistent_tiles), else one CTA per
+// tile.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdKernelParams<Traits> const args) {
-    constexpr bool kPersistent = Traits::kKVStages > 1;
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
     BwdParams const& params = args.p;
     extern __shared__ __align__(1024) char smem_buf[];
@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         if constexpr (Traits::kKeyPair) { blk.block = 2 * blk.block + int(cute::block_rank_in_cluster()); }
         return KeyBlockWork{blk, seq, window, m_range, part, parts};
     };
-    if (!kPersistent && !work_at(blockIdx.x).blk.valid) { return; }
+    if (!Traits::kPersistent && !work_at(blockIdx.x).blk.valid) { return; }
 
     if (tid == 0) {
         shared.kv_ring.init(1);  // (a persistent CTA's store warp frees a stage)
@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     } else {
         __syncthreads();
     }
-    if constexpr (kPersistent) {
+    if constexpr (Traits::kPersistent) {
         persistent_tiles<Traits>(args, shared, work_at, reverse, tid);
         return;
     }

@@ -62,7 +62,7 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
     if (main_blocks > INT_MAX || convert_blocks > INT_MAX) {
         return cudaErrorInvalidConfiguration;
     }
-    if constexpr (Traits::kKVStages > 1) {
+    if constexpr (Traits::kPersistent) {
         // kKVStages 2: a persistent kernel, one CTA per SM, each walking tiles, where a tile's fixed cost (K and V
         // arriving, the dK / dV store) is a large part of it: a persistent CTA loads the next tile's K and V under
         // the current tile and leaves the store to its store warp. Measured at d 64 on an H100 (2026-11-27) against
@@ -148,8 +148,8 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
             return err;
         }
     } else {
-        // Traits::kKVStages 2: one CTA per SM walking the tiles (see the choice above).
-        unsigned const grid = Traits::kKVStages > 1 ? unsigned(hints.num_sms) : unsigned(main_blocks);
+        // Traits::kPersistent: one CTA per SM walking the tiles (see the choice above).
+        unsigned const grid = Traits::kPersistent ? unsigned(hints.num_sms) : unsigned(main_blocks);
         bwd_kernel<Traits><<<grid, Traits::kNThreads, kSmem, stream>>>(args);
         if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) { return err; }
     }

@@ -347,7 +347,8 @@ __device__ __forceinline__ void store_dq(BwdParams const& params, typename Trait
 }
 
 // Consumer warpgroups (ctid: thread index among them): accumulate the tile's dK and dV (unscaled) in registers, and
-// add each query block's dQ into the workspace. K and V are in K/V stage kv_state, once full.
+// add each query block's dQ into the workspace. K and V are in K/V stage kv_state, once full (a persistent CTA's
+// consumers have waited for that already, to read the stage's tile: persistent_tiles).
 template <class Traits, class AccKV>
 __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Traits::SharedStorage& shared,
                                             KeyBlockWork const& work, int ctid,
@@ -449,7 +450,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     bool const foreign_q = params.cu_seqlens_q != nullptr || params.seqused_q != nullptr;
     bool const foreign_k = params.cu_seqlens_k != nullptr || params.seqused_k != nullptr;
 
-    shared.kv_ring.wait(kv_state);
+    if constexpr (!Traits::kPersistent) { shared.kv_ring.wait(kv_state); }
     // The other block of a pair holds keys past its own end too (kKeyPair: when its block is the second).
     int const peer_col0 = kPair ? (n_block ^ 1) * kBlockN : col0;
     if (foreign_k && max(col0, peer_col0) + kBlockN > seq.k.len) {

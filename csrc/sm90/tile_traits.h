@@ -195,6 +195,7 @@ struct BwdTraits {
     // warp stores its dK and dV out of that buffer while the consumers start tile t + 1.
     static constexpr int kKVStages = kTile.kv_stages;
     static_assert(kKVStages == 1 || (kKVStages == 2 && !kKeyPair));
+    static constexpr bool kPersistent = kKVStages > 1;
     // The same tile with one K/V buffer, for the calls that launch_bwd gives one CTA per tile.
     using OneTile = BwdTraits<kHeadDim_,
                               BwdTile{.block_m = kTile.block_m, .block_n = kTile.block_n, .q_stages = kTile.q_stages,
