@@ -246,6 +246,11 @@ __device__ __forceinline__ void persistent_tiles(BwdKernelParams<Traits> const& 
                 if (end || work.blk.valid) {
                     if (cute::elect_one_sync()) {
                         shared.kv_ring.wait_free(kv_state);
+                        // compute-sanitizer's racecheck reports this store against tile_of's loads, in both orders
+                        // (d 64). Both are ordered: the stage's readers load after waiting on its full barrier,
+                        // which this thread's announce below arrives on (a release) after the store; and this
+                        // store follows wait_free, which the store warp's release completes only after it met the
+                        // consumers' hand-over barrier, which every reader reaches after its load.
                         shared.tile_index[kv_state.index] = end ? args.blocks : index;
                         if (end) {
                             shared.kv_ring.announce(kv_state, 0);
