@@ -296,14 +296,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                                            out_blk.block, out_blk.head, int(blockIdx.y), store_tid);
         return;
     }
-    auto store_from_registers = [&] {
+    // From registers: the warps-over-keys tile's warp 0 holds the output, and GQA-packed rows lie apart.
+    if (Traits::kWarpsOverKeys || (kPackedRows && params.packed_heads > 1)) {
         store_output_rows<Traits, kPackedRows>(tiled_mma_o, acc_o, lse, params, SeqlenInfo(params, out_blk.batch),
                                                out_blk.block, out_blk.head, store_tid);
-    };
-    if constexpr (Traits::kWarpsOverKeys) {
-        store_from_registers();
-    } else if (kPackedRows && params.packed_heads > 1) {  // GQA-packed rows lie apart
-        store_from_registers();
     } else {
         store_output<Traits>(tiled_mma, acc_o, lse, smem, params, SeqlenInfo(params, out_blk.batch), out_blk.block,
                              out_blk.head, store_tid);
