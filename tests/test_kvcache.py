@@ -594,6 +594,29 @@ def test_split_one_query_many_heads_cuda(splits, h, hk, d):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_decode_load_schedules_agree_cuda(d, page_size):
+    """The 16-row decode tile loads K and V of a key block together where its CTA has the SM to itself (one sequence:
+    2 CTAs), one after the other where the grid holds more CTAs than SMs (the same sequence sm_count times): the same
+    bits either way, over a partial last key block."""
+    from flash_attention import _ops
+    n, h, hk, sk = _ops.sm_count(torch.device("cuda")), 8, 2, 700
+    q, k, v = decode_inputs(1, h, hk, d, sk)
+    used = torch.tensor([sk - 3], dtype=torch.int32, device="cuda")
+    outs = []
+    for b in (1, n):
+        kb, vb, table = k.repeat(b, 1, 1, 1), v.repeat(b, 1, 1, 1), None
+        if page_size is not None:
+            kb, vb, table = pages_of(kb, vb, page_size)
+        args = (used.repeat(b), table, None, d ** -0.5, -1, 0, 0.0, 1, h // hk, None)
+        out, lse = _ops.split_attention(q.repeat(b, 1, 1, 1), kb, vb, *args)
+        outs.append((out[:1], lse[:1]))
+    (out, lse), (out_n, lse_n) = outs
+    assert torch.equal(out, out_n) and torch.equal(lse, lse_n) and out.abs().amax() > 0
+
+
+@pytest.mark.cuda
 def test_decode_compiled_matches_eager_cuda():
     """A GQA decode step of flash_attn_func under torch.compile(fullgraph=True) (the traced fwd_split op, whose
     kernel packs the rows, its output laid out as the fake says) gives eager's bits."""

@@ -84,6 +84,9 @@ struct FwdParams : AttnParams {
     int packed_heads = 1;
     int64_t q_group_stride = 0, o_group_stride = 0;
     int64_t lse_row_stride = 1, lse_group_stride = 0;
+
+    // Set by the launch (SM80 tier): the grid puts at most one CTA on each SM, so no other CTA overlaps a CTA's loads.
+    bool single_cta_per_sm = false;
 };
 
 struct BwdParams : AttnParams {

@@ -9,7 +9,8 @@
 // - kStages == 1: one K and one V buffer; block 0's K and V come with Q, later loads are one commit group each. Per
 //   block: wait K -> barrier -> issue V(i) -> S = Q K^T -> wait V -> barrier -> issue K(i + 1) -> softmax ->
 //   O += P V. Each load hides behind the other GEMM; the smaller footprint lets two CTAs share an SM, so one CTA's
-//   prologue and epilogue overlap the other's loop.
+//   prologue and epilogue overlap the other's loop. The 16-row decode tile alone on its SM issues V(i + 1) after
+//   O += P V(i) instead (a barrier more), so that K(i + 1) and V(i + 1) are in flight together.
 // Warps split the rows (16 or more each), or, in the 16-row decode tile (FwdTile::warps_over_keys), each key block:
 // warp w multiplies its own keys with its own softmax state and output, merged across the warps after the loop
 // (merge_warp_outputs), so that a few query rows cost a quarter of the MMA and ldmatrix work per key.
@@ -60,6 +61,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     constexpr int kPrefetch = kStages - 1;
     // One K and one V buffer, loads alternating with the two GEMMs (not split-KV, which splits the keys across CTAs).
     constexpr bool kAlternatingKV = kStages == 1;
+    // The 16-row decode tile, whose key blocks carry the least compute, loads V(i + 1) as soon as every warp is done
+    // with V(i), beside K(i + 1), where no second CTA on the SM overlaps its loads (params.single_cta_per_sm): both
+    // in flight at once, not one after the other. (The 64-row tile's paged kernel would spill.)
+    bool const kv_together = kAlternatingKV && kPackedRows && Traits::kWarpsOverKeys && params.single_cta_per_sm;
 
     extern __shared__ __align__(128) char smem[];
     int const tid = threadIdx.x;
@@ -196,8 +201,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         } else {
             load_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);
         }
-        CUTE_UNROLL
-        for (int i = 0; i < max(kPrefetch, 1); ++i) { load_kv(i, cute::true_type{}); }
+        // With one K and one V buffer, K(0) (with Q) and V(0) are a group each, so that the loop may wait for K alone.
+        if constexpr (kAlternatingKV) {
+            load_block(tKgK, tKsK, 0, cute::true_type{}, cute::false_type{});
+            cp_async_fence();
+            load_block(tVgV, tVsV, 0, cute::true_type{}, cute::true_type{});
+            cp_async_fence();
+        } else {
+            CUTE_UNROLL
+            for (int i = 0; i < kPrefetch; ++i) { load_kv(i, cute::true_type{}); }
+        }
 
         Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
         Tensor tSrK = thr_mma.partition_fragment_B(sK(_, _, 0));
@@ -224,11 +237,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
                 clear(acc_s);
                 if constexpr (kAlternatingKV) {
-                    // K(i) landed, and every warp is done with V(i - 1): its buffer takes V(i). Block 0's V came
-                    // with the prologue, so the loop never loads a partial block.
-                    cp_async_wait<0>();
+                    // K(i) landed. Loads one after the other: every warp is done with V(i - 1), so its buffer takes
+                    // V(i); block 0's V came with the prologue, so the loop never loads a partial block. Loads
+                    // together: V(i) was issued after O += P V(i - 1) and may still be on its way.
+                    if (kv_together) {
+                        cp_async_wait<1>();
+                    } else {
+                        cp_async_wait<0>();
+                    }
                     __syncthreads();
-                    if (i > 0) { load_block(tVgV, tVsV, i, cute::false_type{}, cute::true_type{}); }
+                    if (!kv_together && i > 0) { load_block(tVgV, tVsV, i, cute::false_type{}, cute::true_type{}); }
                     cp_async_fence();
                 } else {
                     // This block's K and V were issued a whole block earlier: one barrier per block publishes them
@@ -262,6 +280,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
                 int const v_stage = Traits::kWarpsOverKeys ? tid / 32 + kNWarps * stage : stage;
                 gemm_rs(tiled_mma_o, acc_o, tOrP, tOrVt, tOsVt.stage(v_stage), smem_copy_v, o_tid);
+                if (kv_together) {
+                    // Every warp is done with V(i): its buffer takes V(i + 1), beside K(i + 1) in flight.
+                    __syncthreads();
+                    if (i + 1 < n_blocks) { load_block(tVgV, tVsV, i + 1, cute::false_type{}, cute::true_type{}); }
+                    cp_async_fence();
+                }
             }
         };
         if (params.has_softcap || params.alibi_slopes != nullptr) {

@@ -51,13 +51,15 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
     if (num_blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
     unsigned const splits = params.num_splits > 1 ? unsigned(params.num_splits) : 1u;
     dim3 const grid(unsigned(num_blocks), splits);
+    FwdParams launched = params;
+    launched.single_cta_per_sm = num_blocks * splits <= hints.num_sms;
     if constexpr (kPackedRows) {
         if (splits > 1 && params.o_partial == nullptr) {  // a query tile's splits are one cluster
             ClusterLaunch cluster{int(splits)};
-            return launch_with<kKernel>(cluster.attrs, 2, grid, dim3(Traits::kNThreads), kSmem, stream, params);
+            return launch_with<kKernel>(cluster.attrs, 2, grid, dim3(Traits::kNThreads), kSmem, stream, launched);
         }
     }
-    kKernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
+    kKernel<<<grid, Traits::kNThreads, kSmem, stream>>>(launched);
     return cudaGetLastError();
 }
 
