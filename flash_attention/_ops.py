@@ -294,9 +294,8 @@ def fwd_split(
     chunks merge inside clusters and more do not). tier: the caller's tier override (None: the default). With
     block_table (int32 (b, max_blocks)), k/v are page pools (num_pages, page_size, hk, d) read in place: key j of
     sequence i is row j % page_size of page block_table[i, j // page_size]. packed_heads > 1: the kernel GQA-packs
-    the query heads of each kv head as rows (row r: query r // packed_heads, masked as that query), of q unpacked
-    (b, sq, hk * packed_heads, d), or packed already by interface.pack_gqa (b, sq * packed_heads, hk, d); out and
-    lse come back in q's layout. leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i],
+    the query heads of each kv head as rows (row r: query r // packed_heads, masked as that query) of q (b, sq,
+    hk * packed_heads, d); out and lse come back in q's layout. leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i],
     seqused_k[i]). Returns (out, lse (b, h, sq)), h and sq q's."""
     return split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right,
                               softcap, num_splits, packed_heads, tier)
@@ -359,7 +358,7 @@ def decode_attention(route: DecodeRoute, q, k, v, seqused_k, block_table, leftpa
 @fwd_split.register_fake
 def _split_fake(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right, softcap,
                 num_splits, packed_heads, tier):
-    """The forward's outputs in q's layout, packed or not: contiguous."""
+    """The forward's outputs in q's layout (its rows packed by the kernel or not): contiguous."""
     return _outputs_like(q)[0], q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 

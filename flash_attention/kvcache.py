@@ -288,8 +288,6 @@ def flash_attn_with_kvcache(
         attend = _ops.split_attention if faster_tier else functools.partial(_ops.decode_attention, route)
         out, lse = attend(q, keys, values, used, table, leftpad, scale, *window, cap,
                           -splits if num_splits == 0 else splits, group if pack else 1, tier)  # negative: automatic
-        if repack:
-            out, lse = interface.unpack_gqa(out, lse, sq)
         return (out, lse) if return_softmax_lse else out
     splits = _ops.split_count(num_splits, b, heads, rows, cache_len, d, _ops.sm_count(q.device)) if exact else 1
     keys = _cache_rows(k_cache, block_table, cache_batch_idx, b)

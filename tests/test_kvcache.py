@@ -396,7 +396,7 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
     pages of 16 to 256: the SM90 forward's TMA blocks, its 64-row boxes for other multiples of 64 (in 64-key blocks
     at d 256), and rows copied by its producer warpgroup for pages of 16 and 48 (48: a page size that is no power of
     two), the last key block's rows past the table zero-filled)."""
-    from flash_attention import _ops, interface
+    from flash_attention import _ops
     require_kernel(d, bf16)
     require_kernel(d, bf16, "combine")
     # 1087 keys: 17 pages of 64, so the last 128-key block's second 64-row box lies past the table's rows.
@@ -417,22 +417,29 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
         results = [paged]  # 130 rows: tiles that may differ from the contiguous call's (SM90: 64-key blocks)
     else:
         out, lse = _ops.split_attention(q, k, v, used, None, None, *args, 1, None)
-        packed_out, packed_lse = _ops.split_attention(interface.pack_gqa(q, hk), k, v, used, None, None, *args,
-                                                      h // hk, None)
-        results = [(out, lse), interface.unpack_gqa(packed_out, packed_lse, sq)]
+        results = [(out, lse), _ops.split_attention(q, k, v, used, None, None, *args, h // hk, None)]
     for out, lse in results:
-        assert out.shape == q.shape and lse.shape == (b, h, sq) and not out.isnan().any()
-        assert torch.equal(out[0], torch.zeros_like(out[0])) and lse[0].isneginf().all()
-        for i in range(1, b):
-            n = int(used[i])
-            ref_out, ref_lse = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal)
-            low_out, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal, upcast=False)
-            err = (out[i:i + 1].float() - ref_out.float()).abs().max()
-            low_err = (low_out.float() - ref_out.float()).abs().max()
-            assert err <= 2 * low_err + 1e-4, (i, err, low_err)
-            seen = ref_lse.isfinite()
-            assert torch.equal(lse[i:i + 1].isfinite(), seen)
-            assert torch.allclose(lse[i:i + 1][seen], ref_lse[seen].float(), atol=1e-3, rtol=0)
+        assert_matches_reference(q, k, v, used, out, lse, causal)
+
+
+def assert_matches_reference(q, k, v, used, out, lse, causal):
+    """Sequence i of out and lse against the fp32 reference over its first used[i] keys: out 0 and lse -inf where it
+    has none."""
+    b, sq, h = q.shape[:3]
+    assert out.shape == q.shape and lse.shape == (b, h, sq) and not out.isnan().any()
+    for i in range(b):
+        n = int(used[i])
+        if n == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i])) and lse[i].isneginf().all()
+            continue
+        ref_out, ref_lse = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal)
+        low_out, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal, upcast=False)
+        err = (out[i:i + 1].float() - ref_out.float()).abs().max()
+        low_err = (low_out.float() - ref_out.float()).abs().max()
+        assert err <= 2 * low_err + 1e-4, (i, err, low_err)
+        seen = ref_lse.isfinite()
+        assert torch.equal(lse[i:i + 1].isfinite(), seen)
+        assert torch.allclose(lse[i:i + 1][seen], ref_lse[seen].float(), atol=1e-3, rtol=0)
 
 
 @pytest.mark.cuda
@@ -466,38 +473,39 @@ def test_paged_prefill_many_tiles_cuda(d, page_size, causal):
         assert torch.allclose(lse[i:i + 1], ref_lse.float(), atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("sq, packed, unpacked", [(1, 4, False), (3, 4, False), (1, 1, False), (1, 4, True),
-                                                (3, 4, True)])
-def test_split_fake_lays_out_as_the_binding(sq, packed, unpacked):
-    """fwd_split's fake gives out and lse in q's layout, GQA-packed (b, sq * group, hk, d) or unpacked (b, sq, h, d),
-    whose rows the kernel packs: contiguous, as the binding allocates them, so torch.compile can trust it."""
+@pytest.mark.parametrize("sq, packed", [(1, 1), (1, 4), (3, 4)])
+def test_split_fake_lays_out_as_the_binding(sq, packed):
+    """fwd_split's fake gives out and lse in q's layout (b, sq, h, d), whose rows the kernel may pack: contiguous, as
+    the binding allocates them, so torch.compile can trust it."""
     from flash_attention import _ops
     b, hk, d = 2, 3, 16
     k = torch.randn(b, 5, hk, d, dtype=bf16)
-    q = torch.randn(*((b, sq, hk * packed, d) if unpacked else (b, sq * packed, hk, d)), dtype=bf16)
+    q = torch.randn(b, sq, hk * packed, d, dtype=bf16)
     out, lse = _ops._split_fake(q, k, k, None, None, None, 0.25, -1, -1, 0.0, 2, packed, None)
     assert out.shape == q.shape and out.is_contiguous()
     assert lse.shape == (b, q.shape[2], q.shape[1]) and lse.is_contiguous() and lse.dtype == torch.float32
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("sq, packed, unpacked", [(1, 4, False), (3, 4, False), (1, 1, False), (1, 4, True),
-                                                (3, 4, True)])
-def test_split_opcheck_cuda(sq, packed, unpacked):
-    """torch.library.opcheck of fwd_split (schema, fake against the binding's outputs, dynamic shapes), packed or not,
-    and unpacked rows that the kernel packs."""
+@pytest.mark.parametrize("sq, packed", [(1, 1), (1, 4), (3, 4)])
+def test_split_opcheck_cuda(sq, packed):
+    """torch.library.opcheck of fwd_split (schema, fake against the binding's outputs, dynamic shapes), its rows packed
+    by the kernel or not; q already packed (b, sq * group, hk, d) is refused."""
     from flash_attention import _ops
     require_kernel(64, bf16)
     require_kernel(64, bf16, "combine")
     b, hk, d, sk = 2, 2, 64, 300
-    shape = (b, sq, hk * packed, d) if unpacked else (b, sq * packed, hk, d)
-    q = torch.randn(*shape, dtype=bf16, device="cuda")
+    q = torch.randn(b, sq, hk * packed, d, dtype=bf16, device="cuda")
     k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
     if _ops.decode_route(q, None) is None:
         pytest.skip("no split kernels for this head dim")
     used = torch.tensor([7, sk], dtype=torch.int32, device="cuda")
     torch.library.opcheck(torch.ops.flash_attention.fwd_split.default,
                           (q, k, v, used, None, None, d ** -0.5, -1, 0, 0.0, 3, packed, None))
+    if packed > 1:
+        with pytest.raises(RuntimeError, match="packed_heads"):
+            _ops.split_attention(q.reshape(b, sq * packed, hk, d), k, v, used, None, None, d ** -0.5, -1, 0, 0.0, 3,
+                                 packed, None)
 
 
 def decode_inputs(b, h, hk, d, sk, sq=1):
@@ -557,22 +565,16 @@ def test_unmerged_kernels_cuda(splits):
 @pytest.mark.parametrize("page_size", [None, 16])
 @pytest.mark.parametrize("sq, d", [(1, 128), (3, 128), (5, 64), (20, 64)])
 def test_split_packs_rows_cuda(splits, page_size, sq, d):
-    """The query rows of every head, handed to fwd_split unpacked, are GQA-packed by the kernel and come back unpacked:
-    the same bits as pack_gqa, the packed call and unpack_gqa, causal, unsplit, merged inside a cluster (3 splits, on
-    Hopper) or by the combine kernel (17); 16-row tiles (up to 16 packed rows) and 64-row ones (20 x 4 rows)."""
-    from flash_attention import _ops, interface
+    """The query rows of every head, handed to fwd_split unpacked, are GQA-packed by the kernel and come back unpacked,
+    causal, unsplit, merged inside a cluster (3 splits, on Hopper) or by the combine kernel (17); 16-row tiles (up to
+    16 packed rows) and 64-row ones (20 x 4 rows), from a contiguous cache or pages: against the fp32 reference."""
+    from flash_attention import _ops
     b, h, hk, sk = 3, 8, 2, 700
     q, k, v = decode_inputs(b, h, hk, d, sk, sq)
     used = torch.tensor([0, 300, sk], dtype=torch.int32, device="cuda")
-    table = None
-    if page_size is not None:
-        k, v, table = pages_of(k, v, page_size)
-    args = (used, table, None, d ** -0.5, -1, 0, 0.0, splits, h // hk, None)
-    out, lse = _ops.split_attention(q, k, v, *args)
-    ref_out, ref_lse = interface.unpack_gqa(*_ops.split_attention(interface.pack_gqa(q, hk), k, v, *args), sq)
-    assert out.shape == q.shape and lse.shape == (b, h, sq)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1:].abs().amax() > 0
+    keys, values, table = (k, v, None) if page_size is None else pages_of(k, v, page_size)
+    out, lse = _ops.split_attention(q, keys, values, used, table, None, d ** -0.5, -1, 0, 0.0, splits, h // hk, None)
+    assert_matches_reference(q, k, v, used, out, lse, causal=True)
 
 
 @pytest.mark.cuda

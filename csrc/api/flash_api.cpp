@@ -427,9 +427,8 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
 // sm_90, at most 16 chunks), else writes fp32 partials that combine_tier's combine kernel merges. With block_table, k
 // and v are page pools (num_pages, page_size, hk, d), read in place. Each chunk is masked as the whole call is, so any
 // mask splits exactly. packed_heads > 1: the kernel GQA-packs the query heads of each kv head as rows (row r: query
-// r / packed_heads of head r % packed_heads, masked as that query), q being either unpacked (b, sq, hk *
-// packed_heads, d), whose out (b, sq, h, d) and lse (b, h, sq) come back unpacked, or packed already (b, sq *
-// packed_heads, hk, d) by interface.pack_gqa, whose out and lse come back packed. leftpad_k (int32 (b,)): sequence
+// r / packed_heads of head r % packed_heads, masked as that query) of q (b, sq, hk * packed_heads, d), whose out
+// (b, sq, h, d) and lse (b, h, sq) come back unpacked. leftpad_k (int32 (b,)): sequence
 // i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not taken (flash_attn_with_kvcache, the
 // caller, passes neither).
 std::tuple<at::Tensor, at::Tensor> fwd_split(
@@ -446,10 +445,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     int64_t const group = packed_heads;
     // Unpacked q: the kernel packs its rows (the copies of a packing in Python took 9 us of a 185 us decode step with
     // four query rows; H100, RESULTS.md).
-    bool const unpacked = group > 1 && q_in.size(2) == k_in.size(2) * group;
-    TORCH_CHECK(group >= 1 && (group == 1 || unpacked || (q_in.size(2) == k_in.size(2) && q_in.size(1) % group == 0)),
-                "flash_attention: packed_heads must be >= 1, and q (b, sq, hk * packed_heads, d) unpacked or (b, sq * "
-                "packed_heads, hk, d) packed");
+    TORCH_CHECK(group >= 1 && (group == 1 || q_in.size(2) == k_in.size(2) * group),
+                "flash_attention: packed_heads must be >= 1, and q's heads hk * packed_heads");
     std::optional<at::Tensor> const none;
     SeqArgs const seqs{none, none, none, seqused_k, 0, 0};
     at::Tensor const q = kernel_operand(q_in), k = kernel_operand(k_in), v = kernel_operand(v_in);
@@ -470,27 +467,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_split(
     // Packed rows: per kv head, query r / group of head r % group (FwdParams::packed_heads). The row strides step
     // queries, the group strides heads of a group; the head strides step kv heads.
     p.packed_heads = int(group);
-    if (unpacked) {
+    if (group > 1) {
         p.q_group_stride = p.q_head_stride;
         p.q_head_stride *= group;
         p.h /= int(group), p.h_per_hk = 1, p.sq *= int(group);
         p.lse_head_stride = p.sq;  // lse (b, h, sq): a kv head's group of heads
         p.lse_row_stride = 1, p.lse_group_stride = q.size(1);  // q.size(1): the queries
-    } else if (group > 1) {
-        p.q_group_stride = p.q_row_stride;
-        p.q_row_stride *= group;
-        p.lse_row_stride = group, p.lse_group_stride = 1;
     }
     // o, or the partials laid out as o: (b, rows, heads, d), q's shape.
     auto set_o_strides = [&](at::Tensor const& o) {
         Strides const os = strides_of(o, false);
         p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
-        if (unpacked) {
+        if (group > 1) {
             p.o_group_stride = p.o_head_stride;
             p.o_head_stride *= group;
-        } else if (group > 1) {
-            p.o_group_stride = p.o_row_stride;
-            p.o_row_stride *= group;
         }
     };
     auto const fp32 = q.options().dtype(at::kFloat);
