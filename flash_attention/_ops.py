@@ -243,9 +243,14 @@ def append_kv(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_id
 
 
 def decode_ctas_per_sm(head_dim: int, rows: int) -> int:
-    """CTAs of the SM80 decode kernel that one SM holds, by registers: the 16-row tile (rows <= 16) at head dim 64 or
-    less uses 163 registers a thread (three CTAs of 128 threads), the other tiles over 200 (two); ptxas, sm_90."""
-    return 3 if rows <= 16 and head_dim <= 64 else 2
+    """CTAs of the SM80 decode kernel an SM that split_count fills one wave with. The 16-row tile (rows <= 16): at
+    head dim 64 or less three, as many as its registers allow (163 a thread, 128 threads); up to 128 one, which then
+    keeps a key block's K and V loads in flight together (FwdParams::single_cta_per_sm; H100, RESULTS.md: b 8, 4k
+    keys and 16 x 32k MQA 1-2% faster than at two); above, two. The other tiles two (over 200 registers; ptxas,
+    sm_90)."""
+    if rows <= 16:
+        return 3 if head_dim <= 64 else 1 if head_dim <= 128 else 2
+    return 2
 
 
 def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int, sm_count: int) -> int:

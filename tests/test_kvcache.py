@@ -686,7 +686,8 @@ def test_decode_step_in_cuda_graph(page_size):
 
 @pytest.mark.parametrize("b, heads, rows, keys, d, expected", [
     (8, 16, 1, 4096, 64, 3),     # d 64, one row: three 16-row CTAs per SM (H200 sweep: 38.6 us at 3 chunks, 42.2 at 2)
-    (8, 8, 4, 4096, 128, 4),     # d 128: two per SM
+    (8, 8, 4, 4096, 128, 2),     # d 128: one per SM, its K and V loads together
+    (8, 8, 4, 4096, 256, 4),     # d 256: two per SM
     (8, 16, 32, 4096, 64, 2),    # 32 rows: the 64-row tile, two per SM
     (1, 8, 4, 8192, 128, 16),    # few tiles: chunks of at least 512 keys
     (64, 8, 8, 2048, 128, 1),    # the tiles fill the GPU already
