@@ -256,9 +256,8 @@ def decode_ctas_per_sm(head_dim: int, rows: int) -> int:
 def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int, sm_count: int) -> int:
     """Key chunks per sequence for fwd_split of b sequences of `rows` query rows (GQA-packed or not) over `heads`
     heads: num_splits when given (at most one per key); with 0, as many as keep the query tiles (one per 64 rows) x
-    chunks within one wave of the decode kernel's CTAs (decode_ctas_per_sm: its K/V loads need every CTA an SM holds
-    to keep HBM busy; a second, partial wave costs more than fewer chunks) on sm_count SMs, chunks of at least 512
-    keys, at most 64 (H100 and H200, RESULTS.md)."""
+    chunks within one wave of decode_ctas_per_sm CTAs an SM (a second, partial wave costs more than fewer chunks) on
+    sm_count SMs, chunks of at least 512 keys, at most 64 (H100 and H200, RESULTS.md)."""
     if num_splits > 0:
         return max(1, min(num_splits, keys, 256))
     tiles = b * heads * -(-rows // 64)
