@@ -242,26 +242,27 @@ def append_kv(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_id
     return ext.append_kv(q, k_cache, v_cache, k, v, cos, sin, *contiguous, interleaved, q_steps, kernel_dim, tier_id)
 
 
-def decode_ctas_per_sm(head_dim: int, rows: int) -> int:
+def decode_ctas_per_sm(head_dim: int, rows: int, paged: bool = False) -> int:
     """CTAs of the SM80 decode kernel an SM that split_count fills one wave with. The 16-row tile (rows <= 16): at
-    head dim 64 or less three, as many as its registers allow (163 a thread, 128 threads); up to 128 one, which then
-    keeps a key block's K and V loads in flight together (FwdParams::single_cta_per_sm; H100, RESULTS.md: b 8, 4k
-    keys and 16 x 32k MQA 1-2% faster than at two); above, two. The other tiles two (over 200 registers; ptxas,
-    sm_90)."""
-    if rows <= 16:
-        return 3 if head_dim <= 64 else 1 if head_dim <= 128 else 2
-    return 2
+    head dim 64 or less three, as many as its registers allow (163 a thread, 128 threads); up to 128 one from a
+    contiguous cache, which then keeps a key block's K and V loads in flight together (FwdParams::single_cta_per_sm;
+    H100, RESULTS.md: 16 x 32k MQA 2% faster than at two, no other row slower than 0.5%; pages of 16 were 3-5%
+    slower so); else two. The other tiles two (over 200 registers; ptxas, sm_90)."""
+    if rows <= 16 and head_dim <= 64:
+        return 3
+    return 1 if rows <= 16 and head_dim <= 128 and not paged else 2
 
 
-def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int, sm_count: int) -> int:
+def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int, sm_count: int,
+                paged: bool = False) -> int:
     """Key chunks per sequence for fwd_split of b sequences of `rows` query rows (GQA-packed or not) over `heads`
-    heads: num_splits when given (at most one per key); with 0, as many as keep the query tiles (one per 64 rows) x
+    heads (`paged`: from a paged cache): num_splits when given (at most one per key); with 0, as many as keep the query tiles (one per 64 rows) x
     chunks within one wave of decode_ctas_per_sm CTAs an SM (a second, partial wave costs more than fewer chunks) on
     sm_count SMs, chunks of at least 512 keys, at most 64 (H100 and H200, RESULTS.md)."""
     if num_splits > 0:
         return max(1, min(num_splits, keys, 256))
     tiles = b * heads * -(-rows // 64)
-    waves = decode_ctas_per_sm(head_dim, rows) * sm_count
+    waves = decode_ctas_per_sm(head_dim, rows, paged) * sm_count
     return max(1, min(waves // max(tiles, 1), keys // 512, 64))
 
 

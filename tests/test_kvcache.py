@@ -684,21 +684,23 @@ def test_decode_step_in_cuda_graph(page_size):
         assert torch.equal(graph_k, k_cache) and torch.equal(graph_v, v_cache), n
 
 
-@pytest.mark.parametrize("b, heads, rows, keys, d, expected", [
-    (8, 16, 1, 4096, 64, 3),     # d 64, one row: three 16-row CTAs per SM (H200 sweep: 38.6 us at 3 chunks, 42.2 at 2)
-    (8, 8, 4, 4096, 128, 2),     # d 128: one per SM, its K and V loads together
-    (8, 8, 4, 4096, 256, 4),     # d 256: two per SM
-    (8, 16, 32, 4096, 64, 2),    # 32 rows: the 64-row tile, two per SM
-    (1, 8, 4, 8192, 128, 16),    # few tiles: chunks of at least 512 keys
-    (64, 8, 8, 2048, 128, 1),    # the tiles fill the GPU already
-    (1, 1, 8, 1 << 17, 128, 64),  # at most 64 chunks
+@pytest.mark.parametrize("b, heads, rows, keys, d, paged, expected", [
+    (8, 16, 1, 4096, 64, False, 3),    # d 64, one row: three 16-row CTAs per SM (H200: 38.6 us at 3 chunks, 42.2 at 2)
+    (8, 16, 1, 4096, 64, True, 3),
+    (16, 1, 8, 32768, 128, False, 8),  # d 128: one per SM, its K and V loads together
+    (16, 1, 8, 32768, 128, True, 16),  # from pages: two per SM
+    (8, 8, 4, 4096, 256, False, 4),    # d 256: two per SM
+    (8, 16, 32, 4096, 64, False, 2),   # 32 rows: the 64-row tile, two per SM
+    (1, 8, 4, 8192, 128, False, 16),   # few tiles: chunks of at least 512 keys
+    (64, 8, 8, 2048, 128, False, 1),   # the tiles fill the GPU already
+    (1, 1, 8, 1 << 17, 128, False, 64),  # at most 64 chunks
 ])
-def test_split_count_fills_one_wave(b, heads, rows, keys, d, expected):
+def test_split_count_fills_one_wave(b, heads, rows, keys, d, paged, expected):
     """num_splits=0 picks as many key chunks as fill one wave of the decode kernel's CTAs (132 SMs here), by the
-    tile's occupancy."""
+    tile's occupancy and whether its cache is paged."""
     from flash_attention import _ops
-    assert _ops.split_count(0, b, heads, rows, keys, d, 132) == expected
-    assert _ops.split_count(5, b, heads, rows, keys, d, 132) == 5
+    assert _ops.split_count(0, b, heads, rows, keys, d, 132, paged) == expected
+    assert _ops.split_count(5, b, heads, rows, keys, d, 132, paged) == 5
 
 
 @pytest.mark.parametrize("sq, table, leftpad, packed, tier, expected", [
