@@ -256,9 +256,10 @@ def decode_ctas_per_sm(head_dim: int, rows: int, paged: bool = False) -> int:
 def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int, sm_count: int,
                 paged: bool = False) -> int:
     """Key chunks per sequence for fwd_split of b sequences of `rows` query rows (GQA-packed or not) over `heads`
-    heads (`paged`: from a paged cache): num_splits when given (at most one per key); with 0, as many as keep the query tiles (one per 64 rows) x
-    chunks within one wave of decode_ctas_per_sm CTAs an SM (a second, partial wave costs more than fewer chunks) on
-    sm_count SMs, chunks of at least 512 keys, at most 64 (H100 and H200, RESULTS.md)."""
+    heads (`paged`: from a paged cache): num_splits when given (at most one per key); with 0, as many as keep the
+    query tiles (one per 64 rows) x chunks within one wave of decode_ctas_per_sm CTAs an SM (a second, partial wave
+    costs more than fewer chunks) on sm_count SMs, chunks of at least 512 keys, at most 64 (H100 and H200,
+    RESULTS.md)."""
     if num_splits > 0:
         return max(1, min(num_splits, keys, 256))
     tiles = b * heads * -(-rows // 64)
@@ -300,8 +301,8 @@ def fwd_split(
     block_table (int32 (b, max_blocks)), k/v are page pools (num_pages, page_size, hk, d) read in place: key j of
     sequence i is row j % page_size of page block_table[i, j // page_size]. packed_heads > 1: the kernel GQA-packs
     the query heads of each kv head as rows (row r: query r // packed_heads, masked as that query) of q (b, sq,
-    hk * packed_heads, d); out and lse come back in q's layout. leftpad_k (int32 (b,)): sequence i's keys are its rows [leftpad_k[i],
-    seqused_k[i]). Returns (out, lse (b, h, sq)), h and sq q's."""
+    hk * packed_heads, d); out and lse come back in q's layout. leftpad_k (int32 (b,)): sequence i's keys are its
+    rows [leftpad_k[i], seqused_k[i]). Returns (out, lse (b, h, sq)), h and sq q's."""
     return split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right,
                               softcap, num_splits, packed_heads, tier)
 

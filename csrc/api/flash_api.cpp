@@ -428,9 +428,9 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
 // and v are page pools (num_pages, page_size, hk, d), read in place. Each chunk is masked as the whole call is, so any
 // mask splits exactly. packed_heads > 1: the kernel GQA-packs the query heads of each kv head as rows (row r: query
 // r / packed_heads of head r % packed_heads, masked as that query) of q (b, sq, hk * packed_heads, d), whose out
-// (b, sq, h, d) and lse (b, h, sq) come back unpacked. leftpad_k (int32 (b,)): sequence
-// i's keys are its rows [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not taken (flash_attn_with_kvcache, the
-// caller, passes neither).
+// (b, sq, h, d) and lse (b, h, sq) come back unpacked. leftpad_k (int32 (b,)): sequence i's keys are its rows
+// [leftpad_k[i], seqused_k[i]). seqused_q and ALiBi are not taken (flash_attn_with_kvcache, the caller, passes
+// neither).
 std::tuple<at::Tensor, at::Tensor> fwd_split(
     at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in, std::optional<at::Tensor> const& seqused_k,
     std::optional<at::Tensor> const& block_table, std::optional<at::Tensor> const& leftpad_k, double softmax_scale,
