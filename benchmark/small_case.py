@@ -18,9 +18,10 @@ rows, so memcheck must stay clean (the numbers are unspecified).
 
 --decode runs flash_attn_with_kvcache's calls instead (the SM80-tier decode kernels and the combine; on Hopper the
 SM90 forward's split partials for 130 rows of a contiguous cache or pages of 16, 64 and 128): one and three query rows
-GQA-packed, and 130 rows, under a causal mask or a window, unsplit, in 3 chunks (on Hopper merged inside a cluster) and
-in 17 (merged by the combine kernel), a contiguous cache and caches paged in pages
-of 16, 3, 64 and 128 (shuffled), an empty, a partial and a full sequence, new keys appended."""
+GQA-packed, and 130 rows, under a causal mask or a window, unsplit, in 2 and 3 chunks (on Hopper merged inside a
+cluster; unsplit and in 2, the contiguous cache's 16-row tiles take the ring kernel) and in 17 (merged by the combine
+kernel), a contiguous cache and caches paged in pages of 16, 3, 64 and 128 (shuffled), an empty, a partial and a
+full sequence, new keys appended."""
 
 import argparse
 
@@ -108,7 +109,7 @@ def decode_case(d):
     # the SM90 forward's split partials).
     for sq in (1, 3, 20, 130):
         q = torch.randn(b, sq, h, d, dtype=BF16, device="cuda")
-        for num_splits in (1, 3, 17):
+        for num_splits in (1, 2, 3, 17):
             for window in ((-1, -1), (20, 0)):
                 flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, window_size=window,
                                         num_splits=num_splits)

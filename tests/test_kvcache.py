@@ -685,8 +685,12 @@ def test_decode_step_in_cuda_graph(page_size):
 
 
 @pytest.mark.parametrize("b, heads, rows, keys, d, paged, expected", [
-    (8, 16, 1, 4096, 64, False, 3),    # d 64, one row: three 16-row CTAs per SM (H200: 38.6 us at 3 chunks, 42.2 at 2)
-    (8, 16, 1, 4096, 64, True, 3),
+    (8, 16, 1, 4096, 64, False, 1),    # d 64, the tiles fill the SMs: the ring kernel, one CTA an SM, unsplit
+    (8, 8, 4, 4096, 64, False, 2),     # half of them: two chunks
+    (4, 8, 4, 16384, 64, False, 12),   # a quarter: three one-buffer CTAs an SM
+    (8, 16, 1, 4096, 64, True, 3),     # from pages: three per SM
+    (8, 8, 4, 4096, 128, False, 1),    # d 128, half of the SMs: the ring kernel, unsplit
+    (4, 32, 1, 4096, 128, False, 1),   # all of them: the one-buffer tile
     (16, 1, 8, 32768, 128, False, 8),  # d 128: one per SM, its K and V loads together
     (16, 1, 8, 32768, 128, True, 16),  # from pages: two per SM
     (8, 8, 4, 4096, 256, False, 4),    # d 256: two per SM

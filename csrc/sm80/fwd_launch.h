@@ -124,18 +124,42 @@ cudaError_t launch_by_tile_length(FwdParams const& params, LaunchHints const& hi
 // key blocks, whose loads put the most bytes in flight per CTA (FlashAttention-2's split-KV tile; H100, RESULTS.md).
 // Calls of at most 16 (packed) rows, a decode step's, take a 16-row tile whose warps split the keys: a 64-row tile's
 // warps would each multiply (and read from shared memory) the whole key block for rows that are mostly padding.
-template <int kHeadDim, typename Element, int kRows>
+template <int kHeadDim, typename Element, int kRows, int kStages = 1>
 using DecodeTraits =
     FwdTraits<kHeadDim,
-              FwdTile{.block_m = kRows, .block_n = kHeadDim <= 128 ? 128 : 64, .warps = 4, .kv_stages = 1,
+              FwdTile{.block_m = kRows, .block_n = kHeadDim <= 128 ? 128 : 64, .warps = 4, .kv_stages = kStages,
                       .warps_over_keys = kRows == 16},
               Element>;
+
+// The 16-row tile alone on its SM with a ring of three K/V stages (two key blocks in flight ahead of the one it
+// computes), so that one CTA keeps the bytes in flight that its SM's share of HBM needs: the decode kernel of a
+// dense cache whose tiles fill a third of the SMs or more, in one or two chunks (split_count aims there). At head
+// dim 64 it fits the 99 KB of sm86/89/120. H100 (RESULTS.md, session 53): at d 64 in one or two chunks on up to
+// every SM 2-6% faster than three CTAs an SM in 3-6 chunks (no cluster merge or a pair's, and no chunks of unequal
+// key blocks); at d 128 in one chunk on at most half the SMs; on more, and in more chunks (clusters of CTAs that each
+// fill an SM do not all fit in the GPCs at once), the one-buffer tile was faster.
+template <int kHeadDim, typename Element>
+using RingDecodeTraits = DecodeTraits<kHeadDim, Element, 16, 3>;
+
+template <class Traits>
+bool takes_ring_kernel(FwdParams const& params, LaunchHints const& hints) {
+    int const splits = std::max(params.num_splits, 1);
+    int64_t const ctas = fwd_tiles<Traits>(params) * splits;
+    int const max_ctas = Traits::kHeadDim <= 64 ? hints.num_sms : hints.num_sms / 2;
+    return splits <= 2 && ctas <= max_ctas && ctas_per_sm<Traits>(hints) >= 1;
+}
 
 // f(traits, paged) with the decode kernel that a call takes: its tile by the query rows, paged or not.
 template <int kHeadDim, typename Element, class F>
 decltype(auto) with_decode_kernel(FwdParams const& params, LaunchHints const& hints, F&& f) {
     auto by_rows = [&](auto paged) {
-        if (hints.max_seqlen_q <= 16) { return f(DecodeTraits<kHeadDim, Element, 16>{}, paged); }
+        if (hints.max_seqlen_q <= 16) {
+            if constexpr (!decltype(paged)::value && kHeadDim <= 128) {
+                using Ring = RingDecodeTraits<kHeadDim, Element>;
+                if (takes_ring_kernel<Ring>(params, hints)) { return f(Ring{}, paged); }
+            }
+            return f(DecodeTraits<kHeadDim, Element, 16>{}, paged);
+        }
         return f(DecodeTraits<kHeadDim, Element, 64>{}, paged);
     };
     return params.block_table != nullptr ? by_rows(std::true_type{}) : by_rows(std::false_type{});
