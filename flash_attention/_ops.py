@@ -257,17 +257,21 @@ def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_
                 paged: bool = False) -> int:
     """Key chunks per sequence for fwd_split of b sequences of `rows` query rows (GQA-packed or not) over `heads`
     heads (`paged`: from a paged cache): num_splits when given (at most one per key); with 0, for 16-row tiles of a
-    contiguous cache up to head dim 128 that fill a third of the sm_count SMs or more, one or two (the ring kernel);
-    else as many as keep the query tiles (one per 64 rows) x chunks within one wave of decode_ctas_per_sm CTAs an SM
-    (a second, partial wave costs more than fewer chunks), chunks of at least 512 keys, at most 64 (H100 and H200,
-    RESULTS.md)."""
+    contiguous cache that fill a third of the sm_count SMs or more, one or two at head dim 64 or less, one at d 65-128
+    on at most half the SMs and up to 8k keys (the ring kernel); else as many as keep the query tiles (one per 64
+    rows) x chunks within one wave of decode_ctas_per_sm CTAs an SM (a second, partial wave costs more than fewer
+    chunks), chunks of at least 512 keys, at most 64 (H100 and H200, RESULTS.md)."""
     if num_splits > 0:
         return max(1, min(num_splits, keys, 256))
     tiles = b * heads * -(-rows // 64)
-    if rows <= 16 and not paged and head_dim <= 128 and sm_count < 3 * tiles and tiles <= sm_count:
-        # The ring kernel, alone on its SM (sm80/fwd_launch.h takes_ring_kernel): at d <= 64 in sm_count // tiles
-        # chunks, above in one (on at most half the SMs; else the one-buffer tile, one CTA an SM as below).
-        return 1 if head_dim > 64 else max(1, min(sm_count // tiles, keys // 512))
+    # The ring kernel, alone on its SM (sm80/fwd_launch.h takes_ring_kernel): 16-row tiles of a contiguous cache that
+    # fill a third of the SMs or more, at d <= 64 in sm_count // tiles chunks, at d 65-128 unsplit on at most half the
+    # SMs and up to 8k keys (H100, RESULTS.md: with 16k it was 1% slower than two chunks of the one-buffer tile).
+    ring = rows <= 16 and not paged and sm_count < 3 * tiles <= 3 * sm_count
+    if ring and head_dim <= 64:
+        return max(1, min(sm_count // tiles, keys // 512))
+    if ring and head_dim <= 128 and 2 * tiles <= sm_count and keys <= 8192:
+        return 1
     waves = decode_ctas_per_sm(head_dim, rows, paged) * sm_count
     return max(1, min(waves // max(tiles, 1), keys // 512, 64))
 

@@ -690,6 +690,7 @@ def test_decode_step_in_cuda_graph(page_size):
     (4, 8, 4, 16384, 64, False, 12),   # a quarter: three one-buffer CTAs an SM
     (8, 16, 1, 4096, 64, True, 3),     # from pages: three per SM
     (8, 8, 4, 4096, 128, False, 1),    # d 128, half of the SMs: the ring kernel, unsplit
+    (8, 8, 4, 16384, 128, False, 2),   # up to 8k keys only: then two one-buffer CTAs
     (4, 32, 1, 4096, 128, False, 1),   # all of them: the one-buffer tile
     (16, 1, 8, 32768, 128, False, 8),  # d 128: one per SM, its K and V loads together
     (16, 1, 8, 32768, 128, True, 16),  # from pages: two per SM

@@ -135,9 +135,10 @@ using DecodeTraits =
 // computes), so that one CTA keeps the bytes in flight that its SM's share of HBM needs: the decode kernel of a
 // dense cache whose tiles fill a third of the SMs or more, in one or two chunks (split_count aims there). At head
 // dim 64 it fits the 99 KB of sm86/89/120. H100 (RESULTS.md, session 53): at d 64 in one or two chunks on up to
-// every SM 2-6% faster than three CTAs an SM in 3-6 chunks (no cluster merge or a pair's, and no chunks of unequal
-// key blocks); at d 128 in one chunk on at most half the SMs; on more, and in more chunks (clusters of CTAs that each
-// fill an SM do not all fit in the GPCs at once), the one-buffer tile was faster.
+// every SM 2-7% faster than three CTAs an SM in 3-6 chunks (no cluster merge or a pair's, and no chunks of unequal
+// key blocks); at d 128 in one chunk on at most half the SMs, up to 8k keys, 1-3% faster than two one-buffer CTAs
+// (on all the SMs 1% slower); in more chunks, clusters of CTAs that each fill an SM do not all fit in the GPCs at
+// once.
 template <int kHeadDim, typename Element>
 using RingDecodeTraits = DecodeTraits<kHeadDim, Element, 16, 3>;
 
