@@ -76,13 +76,16 @@ __device__ __forceinline__ void store_output(TiledMma const& tiled_mma, AccO con
 // keys for the tile's rows, in the same fragment layout (one warp's MMA, by lane). Merged into warp 0's registers,
 // as the combine merges splits: lse = log sum_w exp(lse_w), O = sum_w exp(lse_w - lse) O_w (a warp that saw no key
 // of a row, lse_w = -inf, weighs 0). Returns false in the other warps, which are then done. Takes shared memory that
-// the main loop's operands used.
+// the main loop's operands used. upper_rows: whether rows 8-15 hold any of the sequence's rows; a decode step's few
+// rows do not, and their outputs are then neither exchanged nor summed (no store reads them).
 template <int kWarps, class AccO, int kRows>
-__device__ __forceinline__ bool merge_warp_outputs(AccO& acc_o, float (&lse)[kRows], char* smem, int tid) {
+__device__ __forceinline__ bool merge_warp_outputs(AccO& acc_o, float (&lse)[kRows], char* smem, int tid,
+                                                   bool upper_rows) {
     constexpr int kValues = decltype(size(acc_o))::value;
     constexpr int kTileRows = 8 * kRows;  // an m16 tile: lane / 4 + 8 r
     float* s_lse = reinterpret_cast<float*>(smem);  // [warp][row]
-    float* s_o = s_lse + kWarps * kTileRows;        // [warp - 1][value][lane]: conflict-free
+    // [warp - 1][value pair][lane], 8-byte pairs of adjacent columns: conflict-free.
+    float2* s_o = reinterpret_cast<float2*>(s_lse + kWarps * kTileRows);
     int const warp = tid / 32, lane = tid % 32;
     __syncthreads();  // every warp is done with the operands
     if (lane % 4 == 0) {
@@ -109,16 +112,28 @@ __device__ __forceinline__ bool merge_warp_outputs(AccO& acc_o, float (&lse)[kRo
         CUTE_UNROLL
         for (int c = 0; c < size<1>(acc_rc); ++c) { acc_rc(r, c) *= weight; }
     }
+    // A fragment's values in fours: two adjacent columns of row lane / 4, then the same of row lane / 4 + 8.
+    auto const merged = [upper_rows](int i) { return i % 4 < 2 || upper_rows; };
     if (warp > 0) {
         CUTE_UNROLL
-        for (int i = 0; i < kValues; ++i) { s_o[((warp - 1) * kValues + i) * 32 + lane] = acc_o(i); }
+        for (int i = 0; i < kValues; i += 2) {
+            if (merged(i)) {
+                s_o[((warp - 1) * kValues / 2 + i / 2) * 32 + lane] = make_float2(acc_o(i), acc_o(i + 1));
+            }
+        }
     }
     __syncthreads();
     if (warp > 0) { return false; }
     CUTE_UNROLL
     for (int w = 1; w < kWarps; ++w) {
         CUTE_UNROLL
-        for (int i = 0; i < kValues; ++i) { acc_o(i) += s_o[((w - 1) * kValues + i) * 32 + lane]; }
+        for (int i = 0; i < kValues; i += 2) {
+            if (merged(i)) {
+                float2 const x = s_o[((w - 1) * kValues / 2 + i / 2) * 32 + lane];
+                acc_o(i) += x.x;
+                acc_o(i + 1) += x.y;
+            }
+        }
     }
     return true;
 }

@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     bool const cluster_merge = kPackedRows && params.num_splits > 1 && params.o_partial == nullptr;
     bool holds_output = true;
     if constexpr (Traits::kWarpsOverKeys) {
-        holds_output = merge_warp_outputs<kNWarps>(acc_o, lse, smem, tid);  // warp 0 stores
+        holds_output = merge_warp_outputs<kNWarps>(acc_o, lse, smem, tid, sq - row0 > 8);  // warp 0 stores
         if (!holds_output && !cluster_merge) { return; }
     }
     TileCoord const out_blk = decode(block_index_reread());
