@@ -10,7 +10,8 @@
 //   block: wait K -> barrier -> issue V(i) -> S = Q K^T -> wait V -> barrier -> issue K(i + 1) -> softmax ->
 //   O += P V. Each load hides behind the other GEMM; the smaller footprint lets two CTAs share an SM, so one CTA's
 //   prologue and epilogue overlap the other's loop. The 16-row decode tile alone on its SM issues V(i + 1) after
-//   O += P V(i) instead (a barrier more), so that K(i + 1) and V(i + 1) are in flight together.
+//   O += P V(i) instead (a barrier more), so that K(i + 1) and V(i + 1) are in flight together; where its grid
+//   allows, the launch takes its ring of three stages instead (fwd_launch.h, RingDecodeTraits).
 // Warps split the rows (16 or more each), or, in the 16-row decode tile (FwdTile::warps_over_keys), each key block:
 // warp w multiplies its own keys with its own softmax state and output, merged across the warps after the loop
 // (merge_warp_outputs), so that a few query rows cost a quarter of the MMA and ldmatrix work per key.
