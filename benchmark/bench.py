@@ -794,7 +794,7 @@ def main():
                         "block_table in pages of this many rows (0: a contiguous cache)")
     parser.add_argument("--peers", type=parse_peers, default=None,
                         help=f"comma-separated subset of {','.join(EAGER_PEERS)} (default: all but sdpa_math; "
-                        "with --eager all)")
+                        "with --eager all; \"\": none)")
     parser.add_argument("--tier", default=None, help="force a tier of ours, e.g. sm80")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=None,
@@ -820,7 +820,8 @@ def main():
         bad = [s for s in args.shape if args.page_size and s[2] % args.page_size]
         if bad:
             parser.error(f"--page-size {args.page_size} must divide every shape's sk, not those of {bad}")
-    args.peers = args.peers or list(EAGER_PEERS if args.eager else PEERS)
+    if args.peers is None:
+        args.peers = list(EAGER_PEERS if args.eager else PEERS)
     args.iters = args.iters or (500 if args.eager else 100 if args.decode else 30)
     args.rounds = args.rounds or (10 if args.eager else 5)
     if args.eager:

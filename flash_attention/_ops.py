@@ -191,6 +191,7 @@ class DecodeRoute(NamedTuple):
     head_dim: int
     combine_tier: int
     sm_count: int  # of q's device, for split_count
+    smem_per_block: int  # of q's device (opt-in bytes; 0 if torch does not say), for ring_fits
 
 
 # (device index or -1, head dim, dtype, tier override) -> its DecodeRoute, or None where fwd_split cannot serve it: a
@@ -210,7 +211,7 @@ def decode_route(q: torch.Tensor, tier: Optional[str]) -> Optional[DecodeRoute]:
         if q.is_cuda and override in (None, SPLIT_TIER):
             found = _split_route(q, SPLIT_TIER)
             if found is not None and found[:2] == found[2:]:
-                route = DecodeRoute(*found[:3], sm_count(q.device))
+                route = DecodeRoute(*found[:3], sm_count(q.device), _smem_per_block_of(q.get_device()))
         _decode_routes[key] = route
     return route
 
@@ -253,21 +254,30 @@ def decode_ctas_per_sm(head_dim: int, rows: int, paged: bool = False) -> int:
     return 1 if rows <= 16 and head_dim <= 128 and not paged else 2
 
 
+def ring_fits(route: DecodeRoute, paged: bool) -> bool:
+    """Whether the ring decode kernel (sm80/fwd_launch.h RingDecodeTraits) fits the shared memory of route's device:
+    16 query rows and three stages of 128-key K and V blocks, 2-byte elements, and from a paged cache each lane's
+    table entries for three blocks (sm80/fwd_kernel.h PagedTableSlots). At d 64 the dense one fits sm86/89/120, the
+    paged one the A100 and H100/H200; at d 128 only the H100/H200."""
+    return 2 * (16 + 6 * 128) * route.head_dim + (1536 if paged else 0) <= route.smem_per_block
+
+
 def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int, sm_count: int,
-                paged: bool = False) -> int:
+                paged: bool = False, ring_fits: bool = True) -> int:
     """Key chunks per sequence for fwd_split of b sequences of `rows` query rows (GQA-packed or not) over `heads`
-    heads (`paged`: from a paged cache): num_splits when given (at most one per key); with 0, for 16-row tiles of a
-    contiguous cache that fill a third of the sm_count SMs or more, one or two at head dim 64 or less, one at d 65-128
-    on at most half the SMs and up to 8k keys (the ring kernel); else as many as keep the query tiles (one per 64
-    rows) x chunks within one wave of decode_ctas_per_sm CTAs an SM (a second, partial wave costs more than fewer
-    chunks), chunks of at least 512 keys, at most 64 (H100 and H200, RESULTS.md)."""
+    heads (`paged`: from a paged cache; `ring_fits`: whether the ring kernel fits the device, ring_fits()): num_splits
+    when given (at most one per key); with 0, for 16-row tiles that fill a third of the sm_count SMs or more, one or
+    two at head dim 64 or less, one at d 65-128 on at most half the SMs and up to 8k keys (the ring kernel); else as
+    many as keep the query tiles (one per 64 rows) x chunks within one wave of decode_ctas_per_sm CTAs an SM (a
+    second, partial wave costs more than fewer chunks), chunks of at least 512 keys, at most 64 (H100 and H200,
+    RESULTS.md)."""
     if num_splits > 0:
         return max(1, min(num_splits, keys, 256))
     tiles = b * heads * -(-rows // 64)
-    # The ring kernel, alone on its SM (sm80/fwd_launch.h takes_ring_kernel): 16-row tiles of a contiguous cache that
-    # fill a third of the SMs or more, at d <= 64 in sm_count // tiles chunks, at d 65-128 unsplit on at most half the
-    # SMs and up to 8k keys (H100, RESULTS.md: with 16k it was 1% slower than two chunks of the one-buffer tile).
-    ring = rows <= 16 and not paged and sm_count < 3 * tiles <= 3 * sm_count
+    # The ring kernel, alone on its SM (sm80/fwd_launch.h takes_ring_kernel): 16-row tiles that fill a third of the
+    # SMs or more, at d <= 64 in sm_count // tiles chunks, at d 65-128 unsplit on at most half the SMs and up to 8k
+    # keys (H100, RESULTS.md: with 16k it was 1% slower than two chunks of the one-buffer tile).
+    ring = ring_fits and rows <= 16 and sm_count < 3 * tiles <= 3 * sm_count
     if ring and head_dim <= 64:
         return max(1, min(sm_count // tiles, keys // 512))
     if ring and head_dim <= 128 and 2 * tiles <= sm_count and keys <= 8192:
@@ -283,6 +293,11 @@ def _sm_count_of(index: int) -> int:
 
 def sm_count(device: torch.device) -> int:
     return _sm_count_of(_dispatch.device_index(device)) if device.type == "cuda" else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_per_block_of(index: int) -> int:
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
 
 
 @torch.library.custom_op("flash_attention::fwd_split", mutates_args=())

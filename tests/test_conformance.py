@@ -267,7 +267,7 @@ def test_decode_shaped_calls_take_the_split_kernels(stub_kernel, monkeypatch, sq
         split_calls.append(dict(shape=q.shape, window=(left, right), packed_heads=packed_heads, splits=splits))
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
-    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132))
+    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132, 232448))
     monkeypatch.setattr(_ops, "decode_attention", fake_split)
     q = torch.randn(2, sq, 8, 64, dtype=torch.bfloat16, requires_grad=grad)
     k, v = (torch.randn(2, 700, 2, 64, dtype=torch.bfloat16) for _ in range(2))

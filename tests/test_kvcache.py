@@ -691,7 +691,7 @@ def test_decode_step_in_cuda_graph(page_size):
     (8, 16, 1, 4096, 64, False, 1),    # d 64, the tiles fill the SMs: the ring kernel, one CTA an SM, unsplit
     (8, 8, 4, 4096, 64, False, 2),     # half of them: two chunks
     (4, 8, 4, 16384, 64, False, 12),   # a quarter: three one-buffer CTAs an SM
-    (8, 16, 1, 4096, 64, True, 3),     # from pages: three per SM
+    (8, 16, 1, 4096, 64, True, 1),     # from pages too
     (8, 8, 4, 4096, 128, False, 1),    # d 128, half of the SMs: the ring kernel, unsplit
     (8, 8, 4, 16384, 128, False, 2),   # up to 8k keys only: then two one-buffer CTAs
     (4, 32, 1, 4096, 128, False, 1),   # all of them: the one-buffer tile
@@ -709,6 +709,19 @@ def test_split_count_fills_one_wave(b, heads, rows, keys, d, paged, expected):
     from flash_attention import _ops
     assert _ops.split_count(0, b, heads, rows, keys, d, 132, paged) == expected
     assert _ops.split_count(5, b, heads, rows, keys, d, 132, paged) == 5
+
+
+def test_split_count_without_the_ring():
+    """Where the ring kernel does not fit the device's shared memory, the one-buffer tile's count: d 64 from pages
+    on an sm86/89/120 (99 KB a block) fills three CTAs an SM, not one unsplit ring CTA."""
+    from flash_attention import _ops
+    sm86 = dict(head_dim=64, sm_count=84, smem_per_block=101376)
+    assert _ops.ring_fits(_ops.DecodeRoute(80, combine_tier=80, **sm86), paged=False)
+    assert not _ops.ring_fits(_ops.DecodeRoute(80, combine_tier=80, **sm86), paged=True)
+    assert not _ops.ring_fits(_ops.DecodeRoute(80, 128, 80, 132, 166912), paged=False)  # A100, d 128
+    assert _ops.ring_fits(_ops.DecodeRoute(80, 128, 80, 132, 232448), paged=True)  # H100, d 128
+    assert _ops.split_count(0, 8, 8, 1, 4096, 64, 84, True, ring_fits=False) == 3  # 64 tiles: 252 CTAs
+    assert _ops.split_count(0, 8, 8, 1, 4096, 64, 84, True, ring_fits=True) == 1
 
 
 @pytest.mark.parametrize("sq, table, leftpad, packed, tier, expected", [
@@ -758,7 +771,7 @@ def test_native_or_composed(stub_kernel, monkeypatch, sq, split_tier_default, fw
         split_calls.append((q.shape, args[-2]))  # args[-2]: packed_heads
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
-    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132))
+    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132, 232448))
     monkeypatch.setattr(_ops, "decode_attention", lambda route, *args: fake_split(*args))
     monkeypatch.setattr(_ops, "split_tier_is_default", lambda q, tier: split_tier_default)
     monkeypatch.setattr(_ops, "split_forward_tier", lambda q, k, table, leftpad, packed, tier: fwd_tier)
@@ -786,7 +799,7 @@ def test_small_pages_gathered_for_the_faster_tier(stub_kernel, monkeypatch, page
         calls.append((k, v, table))
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
-    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132))
+    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132, 232448))
     monkeypatch.setattr(_ops, "split_tier_is_default", lambda q, tier: False)
     monkeypatch.setattr(_ops, "split_forward_tier", lambda q, k, table, leftpad, packed, tier:
                         "sm80" if leftpad is not None or (table is not None and

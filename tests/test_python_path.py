@@ -164,7 +164,7 @@ def test_empty_sequences(no_extension, monkeypatch, b, sq, sk):
 def test_empty_sequences_without_grad(no_extension, monkeypatch, b, sq, sk):
     """Without gradient, where a decode-shaped call would take the split kernels: empty calls still run no kernel."""
     monkeypatch.setattr(_checks, "check_device", lambda tensors: None)
-    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132))
+    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132, 232448))
     q, k, v = make_qkv(b=b, sq=sq, sk=sk, d=64)
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
     assert out.shape == q.shape and not out.any() and lse.shape == (b, 4, sq) and (lse == float("-inf")).all()
@@ -204,8 +204,8 @@ def routed_cpu(monkeypatch):
     for d, dtype in itertools.product((16, 64, 264), (fp16, bf16)):
         monkeypatch.setitem(_ops.autograd_routes, (-1, d, dtype, None), (d, 90, d, 90))
     monkeypatch.setattr(_dispatch, "resolve", lambda device, kind, head_dim, dtype, tier: (90, head_dim))
-    monkeypatch.setattr(_ops, "decode_route",
-                        lambda q, tier: _ops.DecodeRoute(80, q.shape[-1], 80, 132) if q.shape[-1] in (16, 64) else None)
+    monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, q.shape[-1], 80, 132, 232448)
+                        if q.shape[-1] in (16, 64) else None)
     return binding
 
 

@@ -47,6 +47,24 @@ __device__ __forceinline__ SeqlenInfo with_leftpad(FwdParams const& params, Seql
     return seq;
 }
 
+// A paged kernel's shared memory past Traits::kSmemBytes: each lane's page-table entries (one per row whose address
+// it makes in load_rows) for kSlots key blocks. Those of block i + kLead are copied with V(i), kLead being how far
+// the loads run ahead (one block with one K and one V buffer, kStages - 1 with a ring), and a slot is free again once
+// its block's loads are issued.
+template <class Traits>
+struct PagedTableSlots {
+    static constexpr int kLead = Traits::kStages == 1 ? 1 : Traits::kStages - 1;
+    static constexpr int kSlots = kLead + 1;
+    static constexpr int kRowsPerThread = Traits::kBlockN * Traits::kThreadsPerRow / Traits::kNThreads;
+    static constexpr int kEntriesPerLane = (kRowsPerThread + Traits::kThreadsPerRow - 1) / Traits::kThreadsPerRow;
+    static constexpr int kBytes = kSlots * Traits::kNThreads * kEntriesPerLane * int(sizeof(int));
+};
+
+template <class Traits, bool kPaged>
+constexpr int fwd_smem_bytes() {
+    return Traits::kSmemBytes + (kPaged ? PagedTableSlots<Traits>::kBytes : 0);
+}
+
 // kPaged: K and V come from a paged cache (params.block_table), row by row; a kernel of its own, since the row
 // addressing next to the dense loads made ptxas spill three times as much in the dense loop.
 // kPackedRows: the queries may be GQA-packed (params.packed_heads > 1), their masks and key ranges those of query
@@ -153,6 +171,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
         Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
+        // A paged cache: the table entries of the rows whose addresses this lane makes in load_rows (LaneRows) for
+        // key block i (in visited order). Those of block i + Table::kLead are copied into shared memory with V(i),
+        // so that they have landed, like V(i), by the time that block's loads are issued. The first CTA to
+        // reach a block's entries misses L2, and under the K/V stream that wait, read when the loads need it, would
+        // stall every load behind it (as an L1 prefetch or a register loaded a block ahead still did, where ptxas
+        // moves that register within the loop). The first Table::kLead blocks read the table directly.
+        using PageLanes = LaneRows<Traits::kThreadsPerRow, decltype(tKVcKV)>;
+        using Table = PagedTableSlots<Traits>;
+        static_assert(PageLanes::kCount == Table::kEntriesPerLane);
+        int const* table = kPaged ? params.block_table + blk.batch * params.block_table_stride : nullptr;
+        int* const table_slots = reinterpret_cast<int*>(smem + Traits::kSmemBytes) + tid * PageLanes::kCount;
+        auto table_key = [&](int i, int row) { return seq.k.start + (n_block_max - 1 - i) * kBlockN + row; };
+        auto copy_entries = [&](int i) {
+            if constexpr (kPaged) {
+                int const n_block = n_block_max - 1 - i;
+                CUTE_UNROLL
+                for (int j = 0; j < PageLanes::kCount; ++j) {
+                    int const row = PageLanes::row(tKVcKV, j);
+                    if (i < n_blocks && row >= 0 && n_block * kBlockN + row < sk) {
+                        int* const to = table_slots + (i % Table::kSlots) * Traits::kNThreads * PageLanes::kCount + j;
+                        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
+                                         uint32_t(__cvta_generic_to_shared(to))),
+                                     "l"(table + page_slot(params, table_key(i, row))));
+                    }
+                }
+            }
+        };
+
         // Loads key block i (in visited order) of K or V into its stage. Only the first block visited (the last key
         // block) can lack rows. A paged cache is read row by row from its pages.
         auto load_block = [&](auto const& tXgX, auto& tXsX, int i, auto check_rows, auto is_v) {
@@ -164,16 +210,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                                       blk.head / params.h_per_hk * (kV ? params.v_head_stride : params.k_head_stride);
                 int64_t const page_stride = kV ? params.v_batch_stride : params.k_batch_stride;
                 int64_t const row_stride = kV ? params.v_row_stride : params.k_row_stride;
-                int const* table = params.block_table + blk.batch * params.block_table_stride;
-                auto row_ptr = [&](int row) -> Element const* {
+                auto row_ptr = [&](int row, int j) -> Element const* {
                     if (n_block * kBlockN + row >= sk) { return nullptr; }
-                    int const key = seq.k.start + n_block * kBlockN + row;  // the table's rows start at leftpad
+                    int const key = table_key(i, row);  // the table's rows start at leftpad
                     int const slot = page_slot(params, key);
-                    int const page = pool_page(params, table[slot]);
-                    return pool + page * page_stride + (key - slot * params.page_size) * row_stride;
+                    int const entry =
+                        i < Table::kLead
+                            ? table[slot]
+                            : table_slots[(i % Table::kSlots) * Traits::kNThreads * PageLanes::kCount + j];
+                    return pool + pool_page(params, entry) * page_stride + (key - slot * params.page_size) * row_stride;
                 };
                 load_rows<Traits::kThreadsPerRow>(gmem_copy, tXgX(_, _, _, 0), tXsX(_, _, _, stage), tKVcKV, row_ptr,
                                                   pool, d);
+                if constexpr (kV) { copy_entries(i + Table::kLead); }
             } else {
                 load_tile<decltype(check_rows)::value>(gmem_copy, tXgX(_, _, _, n_block), tXsX(_, _, _, stage),
                                                        tKVcKV, sk - n_block * kBlockN, d);
@@ -194,7 +243,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
             Element const* q_first = static_cast<Element const*>(params.q) +
                                      seq.q_offset(params.q_batch_stride, params.q_row_stride, params.q_head_stride,
                                                   blk.head);
-            auto row_ptr = [&](int row) -> Element const* {
+            auto row_ptr = [&](int row, int) -> Element const* {
                 if (row0 + row >= sq) { return nullptr; }
                 return q_first + packed_row_offset(row0 + row, packed, params.q_row_stride, params.q_group_stride);
             };

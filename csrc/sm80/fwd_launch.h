@@ -45,7 +45,7 @@ int64_t fwd_tiles(FwdParams const& params) {
 template <class Traits, bool kPaged = false, bool kPackedRows = false>
 cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
     constexpr auto kKernel = &fwd_kernel<Traits, kPaged, kPackedRows>;
-    constexpr int kSmem = Traits::kSmemBytes;
+    constexpr int kSmem = fwd_smem_bytes<Traits, kPaged>();
     if (cudaError_t err = allow_smem<kKernel>(kSmem, hints.device); err != cudaSuccess) { return err; }
     int64_t const num_blocks = fwd_tiles<Traits>(params);
     if (num_blocks > INT_MAX) { return cudaErrorInvalidConfiguration; }
@@ -133,21 +133,23 @@ using DecodeTraits =
 
 // The 16-row tile alone on its SM with a ring of three K/V stages (two key blocks in flight ahead of the one it
 // computes), so that one CTA keeps the bytes in flight that its SM's share of HBM needs: the decode kernel of a
-// dense cache whose tiles fill a third of the SMs or more, in one or two chunks (split_count aims there). At head
-// dim 64 it fits the 99 KB of sm86/89/120. H100 (RESULTS.md, session 53): at d 64 in one or two chunks on up to
-// every SM 2-7% faster than three CTAs an SM in 3-6 chunks (no cluster merge or a pair's, and no chunks of unequal
-// key blocks); at d 128 in one chunk on at most half the SMs, up to 8k keys, 1-3% faster than two one-buffer CTAs
-// (on all the SMs 1% slower); in more chunks, clusters of CTAs that each fill an SM do not all fit in the GPCs at
-// once.
+// cache whose tiles fill a third of the SMs or more, in one or two chunks (split_count aims there). At head dim 64
+// the dense one fits the 99 KB of sm86/89/120 (the paged one, with its table slots, does not). H100 (RESULTS.md,
+// session 53): at d 64 in one or two chunks on up to every SM 2-7% faster than three CTAs an SM in 3-6 chunks (no
+// cluster merge or a pair's, and no chunks of unequal key blocks); at d 128 in one chunk on at most half the SMs, up
+// to 8k keys, 1-3% faster than two one-buffer CTAs (on all the SMs 1% slower); in more chunks, clusters of CTAs that
+// each fill an SM do not all fit in the GPCs at once. A paged cache takes it since its lanes' page-table entries land
+// with the loads a block ahead (PagedTableSlots; session 54: pages of 16 at d 64 1.05x the dense cache's time, where
+// three one-buffer CTAs an SM took 1.11x).
 template <int kHeadDim, typename Element>
 using RingDecodeTraits = DecodeTraits<kHeadDim, Element, 16, 3>;
 
-template <class Traits>
+template <class Traits, bool kPaged>
 bool takes_ring_kernel(FwdParams const& params, LaunchHints const& hints) {
     int const splits = std::max(params.num_splits, 1);
     int64_t const ctas = fwd_tiles<Traits>(params) * splits;
     int const max_ctas = Traits::kHeadDim <= 64 ? hints.num_sms : hints.num_sms / 2;
-    return splits <= 2 && ctas <= max_ctas && ctas_per_sm<Traits>(hints) >= 1;
+    return splits <= 2 && ctas <= max_ctas && ctas_per_sm(hints, fwd_smem_bytes<Traits, kPaged>()) >= 1;
 }
 
 // f(traits, paged) with the decode kernel that a call takes: its tile by the query rows, paged or not.
@@ -155,9 +157,9 @@ template <int kHeadDim, typename Element, class F>
 decltype(auto) with_decode_kernel(FwdParams const& params, LaunchHints const& hints, F&& f) {
     auto by_rows = [&](auto paged) {
         if (hints.max_seqlen_q <= 16) {
-            if constexpr (!decltype(paged)::value && kHeadDim <= 128) {
+            if constexpr (kHeadDim <= 128) {
                 using Ring = RingDecodeTraits<kHeadDim, Element>;
-                if (takes_ring_kernel<Ring>(params, hints)) { return f(Ring{}, paged); }
+                if (takes_ring_kernel<Ring, decltype(paged)::value>(params, hints)) { return f(Ring{}, paged); }
             }
             return f(DecodeTraits<kHeadDim, Element, 16>{}, paged);
         }
@@ -212,7 +214,8 @@ char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
         !with_decode_kernel<kHeadDim, Element>(params, hints, [&](auto traits, auto paged) {
             using Traits = decltype(traits);
             return active_clusters<&fwd_kernel<Traits, decltype(paged)::value, true>>(
-                       hints.device, params.num_splits, Traits::kNThreads, Traits::kSmemBytes) >=
+                       hints.device, params.num_splits, Traits::kNThreads,
+                       fwd_smem_bytes<Traits, decltype(paged)::value>()) >=
                    fwd_tiles<Traits>(params);
         })) {
         return "splits merged inside clusters need sm_90 code, at most 16 splits, and one wave of clusters";

@@ -40,25 +40,39 @@ __device__ __forceinline__ void load_tile(TiledCopy const& tiled_copy, TensorG c
     }
 }
 
-// load_tile for a tile whose rows lie apart (a paged cache): row r of the tile starts at row_ptr(r), nullptr past the
-// sequence (zero-filled, from the address `valid`, which a predicated-off cp.async does not read); g_like is a
-// partition of a global tile of the same shape, for its copy layout. A row's address costs a division, a page-table
-// load and 64-bit arithmetic (~60 instructions), and the kThreadsPerRow consecutive lanes that copy a row would each
-// compute it: instead lane i of them computes rows i, i + kThreadsPerRow, ... of their rows, and each lane takes the
-// addresses it needs by warp shuffle.
+// The rows of a load_rows tile whose addresses one lane makes: its i-th (i < kCount) is tile row row(coord, i), or
+// -1 where the lane makes fewer.
+template <int kThreadsPerRow, class TensorC>
+struct LaneRows {
+    static constexpr int kRows = decltype(size<1>(std::declval<TensorC>()))::value;
+    static constexpr int kCount = (kRows + kThreadsPerRow - 1) / kThreadsPerRow;
+    static_assert(32 % kThreadsPerRow == 0, "a row's lanes within one warp");
+
+    __device__ __forceinline__ static int row(TensorC const& coord, int i) {
+        int const m = int(threadIdx.x % kThreadsPerRow) + i * kThreadsPerRow;
+        return m < kRows ? int(get<0>(coord(0, m, 0))) : -1;
+    }
+};
+
+// load_tile for a tile whose rows lie apart (a paged cache): row r of the tile starts at row_ptr(r, i), where r is
+// this lane's i-th row of LaneRows, nullptr past the sequence (zero-filled, from the address `valid`, which a
+// predicated-off cp.async does not read); g_like is a partition of a global tile of the same shape, for its copy
+// layout. A row's address costs a division, a page-table load and 64-bit arithmetic (~60 instructions), and the
+// kThreadsPerRow consecutive lanes that copy a row would each compute it: instead lane i of them computes rows i,
+// i + kThreadsPerRow, ... of their rows, and each lane takes the addresses it needs by warp shuffle.
 template <int kThreadsPerRow, class TiledCopy, class TensorG, class TensorS, class TensorC, class RowPtr, typename T>
 __device__ __forceinline__ void load_rows(TiledCopy const& tiled_copy, TensorG const& g_like, TensorS&& s,
                                           TensorC const& coord, RowPtr const& row_ptr, T const* valid, int cols) {
+    using Lane = LaneRows<kThreadsPerRow, TensorC>;
     constexpr int kRows = decltype(size<1>(s))::value;
-    constexpr int kPerLane = (kRows + kThreadsPerRow - 1) / kThreadsPerRow;
-    static_assert(32 % kThreadsPerRow == 0, "a row's lanes within one warp");
+    static_assert(kRows == Lane::kRows);
     int const lane = int(threadIdx.x % 32);
     int const sub = lane % kThreadsPerRow;
-    unsigned long long mine[kPerLane];
+    unsigned long long mine[Lane::kCount];
     CUTE_UNROLL
-    for (int i = 0; i < kPerLane; ++i) {
-        int const m = sub + i * kThreadsPerRow;
-        mine[i] = m < kRows ? reinterpret_cast<unsigned long long>(row_ptr(get<0>(coord(0, m, 0)))) : 0ull;
+    for (int i = 0; i < Lane::kCount; ++i) {
+        int const row = Lane::row(coord, i);
+        mine[i] = row >= 0 ? reinterpret_cast<unsigned long long>(row_ptr(row, i)) : 0ull;
     }
     CUTE_UNROLL
     for (int m = 0; m < kRows; ++m) {

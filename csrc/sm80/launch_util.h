@@ -18,9 +18,13 @@ cudaError_t launch_first_fitting(LaunchHints const& hints, Launch&& launch) {
 
 // CTAs of this configuration that fit one SM's shared memory. Every GPU of the tier has 1 KB more per SM than per
 // block (the driver reserves 1 KB per resident block), so the per-block budget gives the per-SM one.
+inline int ctas_per_sm(LaunchHints const& hints, int smem_bytes) {
+    return (hints.max_smem_per_block + 1024) / (smem_bytes + 1024);
+}
+
 template <class Traits>
 int ctas_per_sm(LaunchHints const& hints) {
-    return (hints.max_smem_per_block + 1024) / (Traits::kSmemBytes + 1024);
+    return ctas_per_sm(hints, Traits::kSmemBytes);
 }
 
 }  // namespace flash::sm80
