@@ -191,7 +191,7 @@ class DecodeRoute(NamedTuple):
     head_dim: int
     combine_tier: int
     sm_count: int  # of q's device, for split_count
-    smem_per_block: int  # of q's device (opt-in bytes; 0 if torch does not say), for ring_fits
+    smem_per_block: int  # of q's device (opt-in bytes; 0 if torch does not say), for ring_kernel_fits
 
 
 # (device index or -1, head dim, dtype, tier override) -> its DecodeRoute, or None where fwd_split cannot serve it: a
@@ -254,23 +254,25 @@ def decode_ctas_per_sm(head_dim: int, rows: int, paged: bool = False) -> int:
     return 1 if rows <= 16 and head_dim <= 128 and not paged else 2
 
 
-def ring_fits(route: DecodeRoute, paged: bool) -> bool:
-    """Whether the ring decode kernel (sm80/fwd_launch.h RingDecodeTraits) fits the shared memory of route's device:
-    16 query rows and three stages of 128-key K and V blocks, 2-byte elements, and from a paged cache each lane's
-    table entries for three blocks (sm80/fwd_kernel.h PagedTableSlots). At d 64 the dense one fits sm86/89/120, the
-    paged one the A100 and H100/H200; at d 128 only the H100/H200."""
-    return 2 * (16 + 6 * 128) * route.head_dim + (1536 if paged else 0) <= route.smem_per_block
+def ring_kernel_fits(route: DecodeRoute, paged: bool) -> bool:
+    """Whether the ring decode kernel (sm80/fwd_launch.h RingDecodeTraits, whose launch checks the same) fits the
+    shared memory of route's device: 16 query rows and three stages of 128-key K and V blocks, 2-byte elements, and
+    from a paged cache the 128 threads' 4-byte table entries for three blocks (sm80/fwd_kernel.h PagedTableSlots). At
+    d 64 the dense one fits sm86/89/120, the paged one the A100 and H100/H200; at d 128 only the H100/H200."""
+    operands = 2 * (16 + 3 * 2 * 128) * route.head_dim
+    table_slots = 3 * 128 * 4 if paged else 0
+    return operands + table_slots <= route.smem_per_block
 
 
 def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int, sm_count: int,
                 paged: bool = False, ring_fits: bool = True) -> int:
     """Key chunks per sequence for fwd_split of b sequences of `rows` query rows (GQA-packed or not) over `heads`
-    heads (`paged`: from a paged cache; `ring_fits`: whether the ring kernel fits the device, ring_fits()): num_splits
-    when given (at most one per key); with 0, for 16-row tiles that fill a third of the sm_count SMs or more, one or
-    two at head dim 64 or less, one at d 65-128 on at most half the SMs and up to 8k keys (the ring kernel); else as
-    many as keep the query tiles (one per 64 rows) x chunks within one wave of decode_ctas_per_sm CTAs an SM (a
-    second, partial wave costs more than fewer chunks), chunks of at least 512 keys, at most 64 (H100 and H200,
-    RESULTS.md)."""
+    heads (`paged`: from a paged cache; `ring_fits`: whether the ring kernel fits the device, ring_kernel_fits()):
+    num_splits when given (at most one per key); with 0, for 16-row tiles that fill a third of the sm_count SMs or
+    more, one or two at head dim 64 or less, one at d 65-128 on at most half the SMs and up to 8k keys (the ring
+    kernel); else as many as keep the query tiles (one per 64 rows) x chunks within one wave of decode_ctas_per_sm
+    CTAs an SM (a second, partial wave costs more than fewer chunks), chunks of at least 512 keys, at most 64 (H100
+    and H200, RESULTS.md)."""
     if num_splits > 0:
         return max(1, min(num_splits, keys, 256))
     tiles = b * heads * -(-rows // 64)

@@ -716,10 +716,10 @@ def test_split_count_without_the_ring():
     on an sm86/89/120 (99 KB a block) fills three CTAs an SM, not one unsplit ring CTA."""
     from flash_attention import _ops
     sm86 = dict(head_dim=64, sm_count=84, smem_per_block=101376)
-    assert _ops.ring_fits(_ops.DecodeRoute(80, combine_tier=80, **sm86), paged=False)
-    assert not _ops.ring_fits(_ops.DecodeRoute(80, combine_tier=80, **sm86), paged=True)
-    assert not _ops.ring_fits(_ops.DecodeRoute(80, 128, 80, 132, 166912), paged=False)  # A100, d 128
-    assert _ops.ring_fits(_ops.DecodeRoute(80, 128, 80, 132, 232448), paged=True)  # H100, d 128
+    assert _ops.ring_kernel_fits(_ops.DecodeRoute(80, combine_tier=80, **sm86), paged=False)
+    assert not _ops.ring_kernel_fits(_ops.DecodeRoute(80, combine_tier=80, **sm86), paged=True)
+    assert not _ops.ring_kernel_fits(_ops.DecodeRoute(80, 128, 80, 132, 166912), paged=False)  # A100, d 128
+    assert _ops.ring_kernel_fits(_ops.DecodeRoute(80, 128, 80, 132, 232448), paged=True)  # H100, d 128
     assert _ops.split_count(0, 8, 8, 1, 4096, 64, 84, True, ring_fits=False) == 3  # 64 tiles: 252 CTAs
     assert _ops.split_count(0, 8, 8, 1, 4096, 64, 84, True, ring_fits=True) == 1
 
