@@ -182,17 +182,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         static_assert(PageLanes::kCount == Table::kEntriesPerLane);
         int const* table = kPaged ? params.block_table + blk.batch * params.block_table_stride : nullptr;
         int* const table_slots = reinterpret_cast<int*>(smem + Traits::kSmemBytes) + tid * PageLanes::kCount;
-        auto table_key = [&](int i, int row) { return seq.k.start + (n_block_max - 1 - i) * kBlockN + row; };
+        // This lane's j-th entry of block i, in the slot that block i takes.
+        auto entry_slot = [&](int i, int j) {
+            return table_slots + (i % Table::kSlots) * Traits::kNThreads * PageLanes::kCount + j;
+        };
+        auto n_block_of = [&](int i) { return n_block_max - 1 - i; };  // block i in visited order: last first
+        auto table_key = [&](int i, int row) { return seq.k.start + n_block_of(i) * kBlockN + row; };
         auto copy_entries = [&](int i) {
             if constexpr (kPaged) {
-                int const n_block = n_block_max - 1 - i;
                 CUTE_UNROLL
                 for (int j = 0; j < PageLanes::kCount; ++j) {
                     int const row = PageLanes::row(tKVcKV, j);
-                    if (i < n_blocks && row >= 0 && n_block * kBlockN + row < sk) {
-                        int* const to = table_slots + (i % Table::kSlots) * Traits::kNThreads * PageLanes::kCount + j;
+                    if (i < n_blocks && row >= 0 && n_block_of(i) * kBlockN + row < sk) {
                         asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
-                                         uint32_t(__cvta_generic_to_shared(to))),
+                                         uint32_t(__cvta_generic_to_shared(entry_slot(i, j)))),
                                      "l"(table + page_slot(params, table_key(i, row))));
                     }
                 }
@@ -202,7 +205,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         // Loads key block i (in visited order) of K or V into its stage. Only the first block visited (the last key
         // block) can lack rows. A paged cache is read row by row from its pages.
         auto load_block = [&](auto const& tXgX, auto& tXsX, int i, auto check_rows, auto is_v) {
-            int const n_block = n_block_max - 1 - i;
+            int const n_block = n_block_of(i);
             int const stage = i % kStages;
             if constexpr (kPaged) {
                 constexpr bool kV = decltype(is_v)::value;
@@ -214,10 +217,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                     if (n_block * kBlockN + row >= sk) { return nullptr; }
                     int const key = table_key(i, row);  // the table's rows start at leftpad
                     int const slot = page_slot(params, key);
-                    int const entry =
-                        i < Table::kLead
-                            ? table[slot]
-                            : table_slots[(i % Table::kSlots) * Traits::kNThreads * PageLanes::kCount + j];
+                    int const entry = i < Table::kLead ? table[slot] : *entry_slot(i, j);
                     return pool + pool_page(params, entry) * page_stride + (key - slot * params.page_size) * row_stride;
                 };
                 load_rows<Traits::kThreadsPerRow>(gmem_copy, tXgX(_, _, _, 0), tXsX(_, _, _, stage), tKVcKV, row_ptr,
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
         // compiler if-converts them and every iteration pays for their instructions.
         auto mainloop = [&](auto with_score_mods) {
             for (int i = 0; i < n_blocks; ++i) {
-                int const n_block = n_block_max - 1 - i;
+                int const n_block = n_block_of(i);
                 int const stage = i % kStages;
                 int const col0 = n_block * kBlockN;
 
