@@ -192,6 +192,7 @@ class DecodeRoute(NamedTuple):
     combine_tier: int
     sm_count: int  # of q's device, for split_count
     smem_per_block: int  # of q's device (opt-in bytes; 0 if torch does not say), for ring_kernel_fits
+    lone_cta: bool = True  # whether q's device takes one 16-row decode CTA an SM (lone_decode_cta), for split_count
 
 
 # (device index or -1, head dim, dtype, tier override) -> its DecodeRoute, or None where fwd_split cannot serve it: a
@@ -211,7 +212,9 @@ def decode_route(q: torch.Tensor, tier: Optional[str]) -> Optional[DecodeRoute]:
         if q.is_cuda and override in (None, SPLIT_TIER):
             found = _split_route(q, SPLIT_TIER)
             if found is not None and found[:2] == found[2:]:
-                route = DecodeRoute(*found[:3], sm_count(q.device), _smem_per_block_of(q.get_device()))
+                index = q.get_device()
+                route = DecodeRoute(*found[:3], sm_count(q.device), _smem_per_block_of(index),
+                                    _lone_decode_cta_of(index))
         _decode_routes[key] = route
     return route
 
@@ -243,15 +246,24 @@ def append_kv(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_id
     return ext.append_kv(q, k_cache, v_cache, k, v, cos, sin, *contiguous, interleaved, q_steps, kernel_dim, tier_id)
 
 
-def decode_ctas_per_sm(head_dim: int, rows: int, paged: bool = False) -> int:
+def decode_ctas_per_sm(head_dim: int, rows: int, paged: bool = False, lone_cta: bool = True) -> int:
     """CTAs of the SM80 decode kernel an SM that split_count fills one wave with. The 16-row tile (rows <= 16): at
     head dim 64 or less three, as many as its registers allow (163 a thread, 128 threads); up to 128 one from a
-    contiguous cache, which then keeps a key block's K and V loads in flight together (FwdParams::single_cta_per_sm;
-    H100, RESULTS.md: 16 x 32k MQA 2% faster than at two, no other row slower than 0.5%; pages of 16 were 3-5%
-    slower so); else two. The other tiles two (over 200 registers; ptxas, sm_90)."""
+    contiguous cache where the device takes lone CTAs (lone_decode_cta), which then keep a key block's K and V loads
+    in flight together (FwdParams::single_cta_per_sm; H100, RESULTS.md: 16 x 32k MQA 2% faster than at two, no other
+    row slower than 0.5%; pages of 16 were 3-5% slower so); else two. The other tiles two (over 200 registers; ptxas,
+    sm_90)."""
     if rows <= 16 and head_dim <= 64:
         return 3
-    return 1 if rows <= 16 and head_dim <= 128 and not paged else 2
+    return 1 if rows <= 16 and head_dim <= 128 and not paged and lone_cta else 2
+
+
+def lone_decode_cta(device_name: str) -> bool:
+    """Whether a 16-row decode CTA alone on its SM reads K and V as fast as two (at d 65-128: one CTA an SM from a
+    contiguous cache, and the unsplit ring kernel): on the H100, where it was measured faster. Not on the H200,
+    whose HBM gives each SM 1.4x the bandwidth: there two CTAs an SM were 7-15% faster on the rows that one took
+    (RESULTS.md, session 55); nor, unmeasured, elsewhere, which keeps the two-CTA counts."""
+    return "H100" in device_name
 
 
 def ring_kernel_fits(route: DecodeRoute, paged: bool) -> bool:
@@ -265,26 +277,28 @@ def ring_kernel_fits(route: DecodeRoute, paged: bool) -> bool:
 
 
 def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int, sm_count: int,
-                paged: bool = False, ring_fits: bool = True) -> int:
+                paged: bool = False, ring_fits: bool = True, lone_cta: bool = True) -> int:
     """Key chunks per sequence for fwd_split of b sequences of `rows` query rows (GQA-packed or not) over `heads`
-    heads (`paged`: from a paged cache; `ring_fits`: whether the ring kernel fits the device, ring_kernel_fits()):
+    heads (`paged`: from a paged cache; `ring_fits`: whether the ring kernel fits the device, ring_kernel_fits();
+    `lone_cta`: whether the device takes lone 16-row CTAs at d 65-128, lone_decode_cta()):
     num_splits when given (at most one per key); with 0, for 16-row tiles that fill a third of the sm_count SMs or
     more, one or two at head dim 64 or less, one at d 65-128 on at most half the SMs and up to 8k keys (the ring
-    kernel); else as many as keep the query tiles (one per 64 rows) x chunks within one wave of decode_ctas_per_sm
-    CTAs an SM (a second, partial wave costs more than fewer chunks), chunks of at least 512 keys, at most 64 (H100
-    and H200, RESULTS.md)."""
+    kernel; only where lone_cta); else as many as keep the query tiles (one per 64 rows) x chunks within one wave of
+    decode_ctas_per_sm CTAs an SM (a second, partial wave costs more than fewer chunks), chunks of at least 512 keys,
+    at most 64 (H100 and H200, RESULTS.md)."""
     if num_splits > 0:
         return max(1, min(num_splits, keys, 256))
     tiles = b * heads * -(-rows // 64)
     # The ring kernel, alone on its SM (sm80/fwd_launch.h takes_ring_kernel): 16-row tiles that fill a third of the
     # SMs or more, at d <= 64 in sm_count // tiles chunks, at d 65-128 unsplit on at most half the SMs and up to 8k
-    # keys (H100, RESULTS.md: with 16k it was 1% slower than two chunks of the one-buffer tile).
+    # keys where lone_cta (H100, RESULTS.md: with 16k it was 1% slower than two chunks of the one-buffer tile; on the
+    # H200 b 8 x 4k at d 128 ran 10% faster in four chunks, two CTAs an SM).
     ring = ring_fits and rows <= 16 and sm_count < 3 * tiles <= 3 * sm_count
     if ring and head_dim <= 64:
         return max(1, min(sm_count // tiles, keys // 512))
-    if ring and head_dim <= 128 and 2 * tiles <= sm_count and keys <= 8192:
+    if ring and lone_cta and head_dim <= 128 and 2 * tiles <= sm_count and keys <= 8192:
         return 1
-    waves = decode_ctas_per_sm(head_dim, rows, paged) * sm_count
+    waves = decode_ctas_per_sm(head_dim, rows, paged, lone_cta) * sm_count
     return max(1, min(waves // max(tiles, 1), keys // 512, 64))
 
 
@@ -300,6 +314,11 @@ def sm_count(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _smem_per_block_of(index: int) -> int:
     return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _lone_decode_cta_of(index: int) -> bool:
+    return lone_decode_cta(torch.cuda.get_device_properties(index).name)
 
 
 @torch.library.custom_op("flash_attention::fwd_split", mutates_args=())

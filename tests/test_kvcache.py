@@ -724,6 +724,22 @@ def test_split_count_without_the_ring():
     assert _ops.split_count(0, 8, 8, 1, 4096, 64, 84, True, ring_fits=True) == 1
 
 
+@pytest.mark.parametrize("b, heads, rows, keys, d, h100, h200", [
+    (8, 8, 16, 16384, 128, 2, 4),   # b 8, sq 4, GQA 4: one CTA an SM on the H100, two on the H200
+    (16, 1, 8, 32768, 128, 8, 16),  # MQA
+    (8, 8, 4, 4096, 128, 1, 4),     # the unsplit ring kernel on the H100 only
+    (8, 16, 1, 4096, 64, 1, 1),     # d 64: the ring on both
+    (1, 8, 4, 8192, 128, 16, 16),   # chunks of at least 512 keys on both
+])
+def test_split_count_by_device(b, heads, rows, keys, d, h100, h200):
+    """Lone 16-row decode CTAs at d 65-128 (one an SM, and the unsplit ring) only on the H100, where they were measured
+    faster; the H200 takes two CTAs an SM (session 55's sweeps, RESULTS.md)."""
+    from flash_attention import _ops
+    assert _ops.lone_decode_cta("NVIDIA H100 80GB HBM3") and not _ops.lone_decode_cta("NVIDIA H200")
+    assert _ops.split_count(0, b, heads, rows, keys, d, 132, lone_cta=True) == h100
+    assert _ops.split_count(0, b, heads, rows, keys, d, 132, lone_cta=False) == h200
+
+
 @pytest.mark.parametrize("sq, table, leftpad, packed, tier, expected", [
     (65, None, None, 1, None, "sm90"),          # prefill-shaped, contiguous: the SM90 forward writes the partials
     (65, None, None, 1, "sm80", "sm80"),        # a tier override is kept
