@@ -302,6 +302,13 @@ def split_count(num_splits: int, b: int, heads: int, rows: int, keys: int, head_
     return max(1, min(waves // max(tiles, 1), keys // 512, 64))
 
 
+def route_split_count(route: DecodeRoute, num_splits: int, b: int, heads: int, rows: int, keys: int, head_dim: int,
+                      paged: bool = False) -> int:
+    """split_count on route's device: its SMs, whether the ring kernel fits it, whether it takes lone CTAs."""
+    return split_count(num_splits, b, heads, rows, keys, head_dim, route.sm_count, paged,
+                       ring_kernel_fits(route, paged), route.lone_cta)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

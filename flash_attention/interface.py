@@ -193,8 +193,7 @@ def _decode_forward(q, k, v, softmax_scale, window, softcap, tier, route):
     hk = k.shape[2]
     group = h // hk
     # The kernel packs the rows, which come back unpacked.
-    splits = _ops.split_count(0, b, hk, sq * group, k.shape[1], d, route.sm_count,
-                              ring_fits=_ops.ring_kernel_fits(route, False), lone_cta=route.lone_cta)
+    splits = _ops.route_split_count(route, 0, b, hk, sq * group, k.shape[1], d)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     return _ops.decode_attention(route, q, k, v, None, None, None, scale, *window, softcap, -splits, group,
                                  tier)  # negative: an automatic count

@@ -282,9 +282,7 @@ def flash_attn_with_kvcache(
         else:
             keys, values, table = (_cache_rows(k_cache, block_table, cache_batch_idx, b),
                                    _cache_rows(v_cache, block_table, cache_batch_idx, b), None)
-        paged = table is not None
-        splits = _ops.split_count(num_splits, b, heads, rows, cache_len, d, route.sm_count, paged,
-                                  _ops.ring_kernel_fits(route, paged), route.lone_cta)
+        splits = _ops.route_split_count(route, num_splits, b, heads, rows, cache_len, d, table is not None)
         leftpad = None if cache_leftpad is None else cache_leftpad.contiguous()
         # Other than on the faster tier, the forward is SPLIT_TIER's, whose kernels the route holds.
         attend = _ops.split_attention if faster_tier else functools.partial(_ops.decode_attention, route)

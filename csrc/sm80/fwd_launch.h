@@ -107,7 +107,7 @@ inline int keys_of_middle_tile(FwdParams const& params, LaunchHints const& hints
 // epilogue overlap the other's key loop; on long tiles the larger tile's fewer K/V reads per query win instead.
 template <class Small, class... Larger>
 cudaError_t launch_by_tile_length(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
-    if (ctas_per_sm<Small>(hints) >= 2 && keys_of_middle_tile(params, hints, 128) <= 2048) {
+    if (ctas_per_sm(hints, Small::kSmemBytes) >= 2 && keys_of_middle_tile(params, hints, 128) <= 2048) {
         return launch_fwd<Small>(params, hints, stream);
     }
     return launch_first_fitting<Larger..., Small>(hints, [&](auto traits) {

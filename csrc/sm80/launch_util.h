@@ -22,9 +22,4 @@ inline int ctas_per_sm(LaunchHints const& hints, int smem_bytes) {
     return (hints.max_smem_per_block + 1024) / (smem_bytes + 1024);
 }
 
-template <class Traits>
-int ctas_per_sm(LaunchHints const& hints) {
-    return ctas_per_sm(hints, Traits::kSmemBytes);
-}
-
 }  // namespace flash::sm80
