@@ -201,7 +201,8 @@ __device__ __forceinline__ void load(FwdKernelParams<Traits, kPaged> const& args
 // every lanes-th), so that each row's address is made once per lane and each copy's source and destination are that
 // address plus a constant. With 8 lanes a copy instruction reads whole 128-byte lines (2-3% faster at d 128 than 4
 // lanes, given the registers). 16-row TMA boxes cost about 70 ns of the SM's TMA unit each, which outweighs the copy
-// instructions (RESULTS.md).
+// instructions (RESULTS.md). What this path costs over TMA is the bytes it moves, not its instructions: layouts with
+// fewer instructions ran no faster, copying half the rows as fast as TMA (RESULTS.md, sessions 48 and 56).
 template <class Traits>
 __device__ __forceinline__ void load_page_rows(FwdKernelParams<Traits, true> const& args,
                                                typename Traits::SharedStorage& shared, SeqlenInfo const& seq,
