@@ -158,6 +158,9 @@ CUDA_CASES = [
     ((3, 0, True, (-1, -1), None, False, False, None), dict(d=64, b=1, h=16, hk=1, cache_len=131072)),
     ((2, 1, True, (-1, -1), None, False, False, 3), dict(d=72, h=6, hk=2, cache_len=99, softcap=20.0)),
     ((1, 1, False, (-1, -1), (40, True), False, False, None), dict(d=40, h=8, hk=2, cache_len=777)),
+    # The 16-row decode tile at head dims whose rows are 32-column copies (d 32, 96): its Q is half a copy's rows.
+    ((1, 1, True, (-1, -1), (48, False), False, False, 16), dict(d=96, h=16, hk=2, cache_len=2048)),
+    ((2, 0, False, (-1, -1), None, True, False, None), dict(d=32, h=8, hk=4, cache_len=5000)),
     # Prefill-shaped against pages of 16 and 3: on Hopper the SM90 forward copies the pages of 16 row by row, and
     # those of 3 are gathered into a contiguous copy for it.
     ((100, 4, True, (-1, -1), None, False, False, 16), dict(d=128, h=8, hk=2, cache_len=512)),

@@ -238,8 +238,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
             cp_async_fence();
         };
 
-        // Q joins the first K/V group.
-        if (kPackedRows && q_uniform == 0) {
+        // Q joins the first K/V group. The 16-row tile at d % 64 != 0 is half of a copy's 32 rows: the threads of the
+        // other half would zero-fill rows past it, over Q's next column block and K's first stage, racing the loads
+        // of both.
+        bool const copies_q = kBlockM % Traits::kCopyRows == 0 || tid < kBlockM * Traits::kThreadsPerRow;
+        if (copies_q && kPackedRows && q_uniform == 0) {
             Element const* q_first = static_cast<Element const*>(params.q) +
                                      seq.q_offset(params.q_batch_stride, params.q_row_stride, params.q_head_stride,
                                                   blk.head);
@@ -248,7 +251,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                 return q_first + packed_row_offset(row0 + row, packed, params.q_row_stride, params.q_group_stride);
             };
             load_rows<Traits::kThreadsPerRow>(gmem_copy, tQgQ, tQsQ, tQcQ, row_ptr, q_first, d);
-        } else {
+        } else if (copies_q) {
             load_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, sq - row0, d);
         }
         // With one K and one V buffer, K(0) (with Q) and V(0) are a group each, so that the loop may wait for K alone.

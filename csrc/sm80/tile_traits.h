@@ -54,8 +54,10 @@ struct TileBase {
     // kSmemRowElems covered by consecutive threads.
     static constexpr int kThreadsPerRow = kSmemRowElems / 8;
     static_assert(kNThreads % kThreadsPerRow == 0);
-    using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
-                                    Stride<Int<kThreadsPerRow>, _1>>;
+    // Rows one copy covers (thread t copies row t / kThreadsPerRow): a tile of fewer rows would have the others'
+    // threads write past it (CuTe extends the partition), see fwd_kernel's Q load.
+    static constexpr int kCopyRows = kNThreads / kThreadsPerRow;
+    using GmemThreadLayout = Layout<Shape<Int<kCopyRows>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>;
     using GmemTiledCopyQKV =
         decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{},
                                  GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
@@ -93,6 +95,7 @@ struct FwdTraits : TileBase<kHeadDim_, kTile.warps, Element_> {
     static_assert(kWarpsOverKeys ? kBlockM == 16 && kBlockN % (16 * kTile.warps) == 0
                                  : kBlockM % (16 * kTile.warps) == 0, "each warp owns whole 16-row MMA tiles");
     static_assert(kBlockN % 32 == 0);
+    static_assert(kBlockN % Base::kCopyRows == 0, "K and V copies cover whole key blocks");
 
     // S = Q K^T. Warps tile M, each owning kBlockM / kNWarps rows, so the softmax of a row stays inside one warp (a
     // quad of lanes); or, over keys, warp w owns columns 16 w + [0, 16) of every 16 * warps (the N permutation maps
@@ -157,6 +160,7 @@ struct BwdTraits : TileBase<kHeadDim_, kTile.warps, Element_> {
     static_assert(kBlockN % (16 * kTile.warps_n_dkv) == 0 && kHeadDim % (16 * (kTile.warps / kTile.warps_n_dkv)) == 0);
     static_assert(kBlockM % (16 * kTile.warps_m_dq) == 0 && kHeadDim % (16 * (kTile.warps / kTile.warps_m_dq)) == 0);
     static_assert(kBwdRowAlign % kBlockM == 0, "dQ workspace rows are padded to kBwdRowAlign");
+    static_assert(kBlockM % Base::kCopyRows == 0 && kBlockN % Base::kCopyRows == 0, "copies cover whole tiles");
 
     using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
     using SmemLayoutdO = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
