@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -18,6 +19,14 @@ SEQLENS = ((1, 1), (1, 239), (113, 203), (128, 217), (256, 512), (512, 256), (10
            (799, 3), (4097, 4097))
 ODD_SEQLENS = ((1, 239), (113, 203), (3, 799), (799, 3), (1023, 1024), (1024, 1023))
 HEADS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
+
+
+def head_counts(heads):
+    """(nheads, nheads_k) of a case's `heads`: a name in HEADS, or "h{nheads}k{nheads_k}" (the random grids')."""
+    if heads in HEADS:
+        return HEADS[heads]
+    h, hk = re.fullmatch(r"h(\d+)k(\d+)", heads).groups()
+    return int(h), int(hk)
 # (name, causal, window_size)
 MASKS = (
     ("causal", True, (-1, -1)),
@@ -120,7 +129,7 @@ def make_tensor(layout, b, s, h, d, dtype):
 
 
 def make_inputs(case):
-    h, hk = HEADS[case.heads]
+    h, hk = head_counts(case.heads)
     q = make_tensor(case.layout, case.b, case.sq, h, case.d, case.dtype)
     k = make_tensor(case.layout, case.b, case.sk, hk, case.d, case.dtype)
     v = make_tensor(case.layout, case.b, case.sk, hk, case.d, case.dtype)
@@ -332,7 +341,7 @@ def make_varlen_tensor(layout, total, h, d, dtype):
 
 
 def make_varlen_inputs(case):
-    h, hk = HEADS[case.heads]
+    h, hk = head_counts(case.heads)
     total_q = sum(case.seqlens_q) + case.tail_q
     total_k = sum(case.seqlens_k) + case.tail_k
     q = make_varlen_tensor(case.layout, total_q, h, case.d, case.dtype)
