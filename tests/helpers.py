@@ -190,6 +190,15 @@ def poison_allocator_varlen(q, k, batch):
     _poison_blocks(shapes, (q.element_size(), 4))
 
 
+def grad_rounding(terms):
+    """The fp32-rounding allowance of a gradient element that sums `terms` products (dq: the keys a row sees; dk and
+    dv: the query rows of every query head of the kv head): 1e-4 up to 4096 terms, then growing as their square
+    root, as a sum's rounding does. Where the same-dtype reference is exact (a sequence of one key: every
+    probability 1, so dS = P (dP - D) is 0 by cancellation), the kernel's fp32 dP - D still differs by the order of
+    its sums, and that difference adds up over the terms (H100: 1.02e-4 on dk over 1413 rows x 8 heads)."""
+    return 1e-4 * max(1.0, terms / 4096) ** 0.5
+
+
 def max_err(x, ref):
     return (x.float() - ref).abs().max().item() if x.numel() else 0.0
 
@@ -468,6 +477,7 @@ def assert_varlen_grads_correct(case, inputs, dout, dlse, *grad_sets):
     (rows that see no key, keys that no row sees) and within three times PyTorch's own same-dtype error of that
     sequence's fp32 reference gradients (plus fp32 rounding); zeros in the rows past seqused (and in the tail)."""
     q, k, v = inputs.q, inputs.k, inputs.v
+    group = q.shape[1] // k.shape[1]
     for grads in grad_sets:
         for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
             assert g.shape == x.shape and g.dtype == x.dtype, f"{name}: {tuple(g.shape)} {g.dtype}"
@@ -484,6 +494,7 @@ def assert_varlen_grads_correct(case, inputs, dout, dlse, *grad_sets):
         kwargs = sequence_reference_kwargs(case, inputs, seq)
         ref = reference_grads(*pieces, upcast=True, **kwargs)
         low = reference_grads(*pieces, upcast=False, **kwargs)
+        terms = (seq.rows_k.stop - seq.rows_k.start,) + ((seq.rows_q.stop - seq.rows_q.start) * group,) * 2
         for grads in grad_sets:
             got = [g[r] for g, r in zip(grads, rows)]
             for name, g in zip(("dq", "dk", "dv"), got):
@@ -491,8 +502,8 @@ def assert_varlen_grads_correct(case, inputs, dout, dlse, *grad_sets):
             assert not got[0][blind_rows].any(), f"{where}: dq of a row that sees no key must be exactly 0"
             assert not got[1][unseen_keys].any() and not got[2][unseen_keys].any(), \
                 f"{where}: dk/dv of a key no row sees must be exactly 0"
-            for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
-                err, tol = max_err(g[None], r), 3 * max_err(lo, r) + 1e-4
+            for name, g, r, lo, n in zip(("dq", "dk", "dv"), got, ref, low, terms):
+                err, tol = max_err(g[None], r), 3 * max_err(lo, r) + grad_rounding(n)
                 assert err <= tol, f"{where}: {name}: max error {err:.3g} > tolerance {tol:.3g}"
         del ref, low
     unused_q, unused_k = unused_rows(case)
