@@ -3,7 +3,8 @@ are: the configurations those grids do not reach. Any head dim from 1 to 256, an
 32), lengths anywhere up to a few thousand with a bias to tile edges, every mask, softcap, ALiBi and layout;
 flash_attn_func and flash_attn_varlen_func forward and backward (the lse in the loss at random, deterministic at
 random); flash_attn_with_kvcache over page sizes 1-256, split counts, rotary, appended tokens, left padding,
-cache_batch_idx and the GQA-packed decode shapes.
+cache_batch_idx and the GQA-packed decode shapes, on the GPU and, with the reference in place of the kernels, through
+its Python composition on the CPU.
 
 Each case's id spells its configuration. FLASH_ATTN_RANDOM_SEED draws another grid and FLASH_ATTN_RANDOM_CASES sets
 its size (per entry point, default 40), so that a deeper search runs the same checks, e.g.
@@ -18,11 +19,9 @@ import torch
 from helpers import (DTYPES, HEAD_DIMS, MASKS, Case, VarlenCase, bf16, case_kwargs, make_inputs, make_varlen_inputs,
                      require_kernel)
 from test_bwd import check_backward
-from test_kvcache import check_case_cuda
+from test_kvcache import check_case
 from test_varlen import VARLEN_MASKS
 from test_varlen import check_backward as check_varlen_backward
-
-pytestmark = pytest.mark.cuda
 
 SEED = int(os.environ.get("FLASH_ATTN_RANDOM_SEED", "0"))
 COUNT = int(os.environ.get("FLASH_ATTN_RANDOM_CASES", "40"))
@@ -146,6 +145,7 @@ def _kvcache_id(i):
     return "-".join(parts)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("i", range(COUNT), ids=lambda i: f"{i}-{batched_case(i)[0].id}")
 def test_batched(i):
     case, with_lse, deterministic = batched_case(i)
@@ -154,6 +154,7 @@ def test_batched(i):
     check_backward(q, k, v, with_lse, deterministic, **case_kwargs(case, alibi))
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("i", range(COUNT), ids=lambda i: f"{i}-{varlen_case(i)[0].id}")
 def test_varlen(i):
     case, with_lse = varlen_case(i)
@@ -161,7 +162,16 @@ def test_varlen(i):
     check_varlen_backward(case, make_varlen_inputs(case), with_lse)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("i", range(COUNT), ids=lambda i: f"{i}-{_kvcache_id(i)}")
 def test_kvcache(i):
     case, extra = kvcache_case(i)
-    check_case_cuda(case, **extra)
+    check_case(case, "cuda", **extra)
+
+
+@pytest.mark.parametrize("i", range(COUNT), ids=lambda i: f"{i}-{_kvcache_id(i)}")
+def test_kvcache_composition_cpu(stub_kernel, i):
+    """The same configurations through the Python around the kernels (the append, rotary, pages, splits and GQA
+    packing), with the reference in place of the kernels: the cache rows exact, out and lse as the reference's."""
+    case, extra = kvcache_case(i)
+    check_case(case, "cpu", **extra)
