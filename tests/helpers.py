@@ -27,6 +27,8 @@ def head_counts(heads):
         return HEADS[heads]
     h, hk = re.fullmatch(r"h(\d+)k(\d+)", heads).groups()
     return int(h), int(hk)
+
+
 # (name, causal, window_size)
 MASKS = (
     ("causal", True, (-1, -1)),

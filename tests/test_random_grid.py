@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
-from helpers import (DTYPES, HEAD_DIMS, MASKS, Case, VarlenCase, bf16, case_kwargs, make_inputs, make_varlen_inputs,
-                     require_kernel)
+from helpers import (DTYPES, HEAD_DIMS, MASKS, Case, VarlenCase, case_kwargs, head_counts, make_inputs,
+                     make_varlen_inputs, require_kernel)
 from test_bwd import check_backward
 from test_kvcache import check_case
 from test_varlen import VARLEN_MASKS
@@ -69,7 +69,7 @@ def _mods(rng):
 def batched_case(i):
     rng = random.Random(f"batched-{SEED}-{i}")
     heads = _heads(rng)
-    h = int(heads[1:heads.index("k")])
+    h, _ = head_counts(heads)
     b = rng.randint(1, 3)
     sq, sk = _length(rng, 3000), _length(rng, 3000)
     while b * h * sq * sk > SCORES:
@@ -84,7 +84,7 @@ def batched_case(i):
 def varlen_case(i):
     rng = random.Random(f"varlen-{SEED}-{i}")
     heads = _heads(rng)
-    h = int(heads[1:heads.index("k")])
+    h, _ = head_counts(heads)
     b = rng.randint(1, 6)
     lengths = lambda: tuple(0 if rng.random() < 0.1 else _length(rng, 1500) for _ in range(b))  # noqa: E731
     seqlens_q = lengths()
@@ -107,7 +107,7 @@ def kvcache_case(i):
     """(run_case's positional case, its keyword arguments)."""
     rng = random.Random(f"kvcache-{SEED}-{i}")
     heads = _heads(rng)
-    h, hk = (int(x) for x in heads[1:].split("k"))
+    h, hk = head_counts(heads)
     d = rng.choice((32, 64, 96, 128, 256, rng.randint(8, 256)))
     page_size = rng.choice((None, None, 1, 3, 16, 48, 64, 128, 256))
     batch_idx = page_size is None and rng.random() < 0.3
