@@ -39,6 +39,8 @@ class Kind:
     any_head_dim: bool = False
     # Paged K / V: the page sizes it reads are multiples of this (sm90/tile_traits.h: kPageMultiple); 0: no pages.
     page_multiple: int = 0
+    # The kernel head dims whose kernels read pages (None: all of head_dims).
+    paged_head_dims: Optional[Tuple[int, ...]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +75,9 @@ TIERS = {
                  ("sm80",)),
     # Its d 256 key blocks of 80 columns need CuTe's wgmma shapes with N not a power of two.
     "sm90": Tier("sm90", 90, (90,), ((9, 0), (9, 0)),
-                 {"fwd": Kind("FwdParams", "sm90/fwd_launch.h", (64, 128, 256), page_multiple=16),
-                  "bwd": Kind("BwdParams", "sm90/bwd_launch.h", (64, 128, 256))},
+                 {"fwd": Kind("FwdParams", "sm90/fwd_launch.h", (64, 96, 128, 192, 256), page_multiple=16,
+                              paged_head_dims=(64, 128, 192, 256)),
+                  "bwd": Kind("BwdParams", "sm90/bwd_launch.h", (64, 128, 192, 256))},
                  ("sm90",), "a", ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), fallback="sm80"),
 }
 TIER_BY_ID = {tier.id: tier for tier in TIERS.values()}

@@ -371,15 +371,17 @@ def split_forward_tier(q: torch.Tensor, k: torch.Tensor, block_table, leftpad_k,
             name = _dispatch.resolve_tier(q.device, tier, q.shape[-1], q.dtype, "fwd")
         except RuntimeError:
             return SPLIT_TIER
-        if block_table is None or forward_reads_pages(name, k.shape[1]):
+        if block_table is None or forward_reads_pages(name, k.shape[1], q.shape[-1]):
             return name
     return SPLIT_TIER
 
 
-def forward_reads_pages(tier_name: str, page_size: int) -> bool:
-    """Whether tier_name's forward reads a paged cache of pages of page_size rows in place."""
-    multiple = _catalog.TIERS[tier_name].kinds["fwd"].page_multiple
-    return bool(multiple) and page_size % multiple == 0
+def forward_reads_pages(tier_name: str, page_size: int, head_dim: int) -> bool:
+    """Whether tier_name's forward reads a paged cache of pages of page_size rows in place at this head dim."""
+    kind = _catalog.TIERS[tier_name].kinds["fwd"]
+    paged_dims = kind.head_dims if kind.paged_head_dims is None else kind.paged_head_dims
+    return (bool(kind.page_multiple) and page_size % kind.page_multiple == 0
+            and _catalog.kernel_head_dim(head_dim, kind) in paged_dims)
 
 
 def split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right, softcap,

@@ -256,11 +256,12 @@ def flash_attn_with_kvcache(
     if can_split and sq > 64:
         forward_tier = _ops.split_forward_tier(q, k_cache, None, cache_leftpad, 1, tier)
         faster_tier = forward_tier != _ops.SPLIT_TIER
-        # Pages the faster tier does not read (of a size no multiple of its page_multiple) are gathered into a
-        # contiguous copy for it: that costs less than the composed call (H100, 2026-11-26, pages of 16, sq 512-4096
-        # against 4096 keys: the gather 17-57 us, the composed call 64-107 us over the contiguous one).
+        # Pages the faster tier does not read (by the catalog: of a size no multiple of its page_multiple, or at a head
+        # dim outside its paged_head_dims) are gathered into a contiguous copy for it: that costs less than the
+        # composed call (H100, 2026-11-26, pages of 16, sq 512-4096 against 4096 keys: the gather 17-57 us, the
+        # composed call 64-107 us over the contiguous one).
         gather = faster_tier and block_table is not None and not _ops.forward_reads_pages(forward_tier,
-                                                                                        k_cache.shape[1])
+                                                                                        k_cache.shape[1], d)
     native = can_split and (sq <= 64 or faster_tier or _ops.split_tier_is_default(q, tier))
     pack = group > 1 and (exact or native) and not faster_tier
     # A native call's rows are packed by the kernel, and come back unpacked.

@@ -93,7 +93,7 @@ def build_cases(mask_seqlens=ODD_SEQLENS):
         big = sq * sk > 2**20
         cases.append(Case(pick(DTYPES), pick(HEAD_DIMS), sq, sk, heads=pick(("mha", "gqa", "mqa")), causal=causal,
                           b=1 if big else 2))
-    for d, causal, dtype in itertools.product((64, 128, 256), (False, True), DTYPES):
+    for d, causal, dtype in itertools.product((64, 96, 128, 192, 256), (False, True), DTYPES):
         if (d, causal, dtype) != (64, False, fp16):  # thinned: the big case is the slowest to check
             cases.append(Case(dtype, d, 4097, 4097, heads="mqa", causal=causal, b=1))
     # Risky combinations: every mask x odd lengths x MHA/GQA/MQA.

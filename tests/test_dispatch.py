@@ -61,6 +61,15 @@ def test_page_multiple_matches_the_sm90_tiles():
     assert f"constexpr int kPageMultiple = {_catalog.TIERS['sm90'].kinds['fwd'].page_multiple};" in text
 
 
+@pytest.mark.parametrize("page_size, head_dim, reads", [(16, 128, True), (48, 160, True), (64, 64, True),
+                                                        (256, 96, False), (16, 72, False), (8, 128, False)])
+def test_sm90_forward_reads_pages_by_size_and_head_dim(page_size, head_dim, reads):
+    """The SM90 forward reads pages of a multiple of 16 rows at the kernel head dims of whole 128-byte rows (64, 128,
+    192, 256: its row copies assume them); d 96's kernel (d 65-96) gets its pages gathered; the SM80 tier reads any."""
+    assert _ops.forward_reads_pages("sm90", page_size, head_dim) is reads
+    assert _ops.forward_reads_pages("sm80", page_size, head_dim) is True
+
+
 def test_compile_check_covers_every_tier_and_kind():
     """CI compiles one file of each tier and kind, those compiled at one head dim (append) included."""
     sys.path.insert(0, str(ROOT / "csrc"))

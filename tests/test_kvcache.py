@@ -386,7 +386,7 @@ def pages_of(k, v, page_size):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 @pytest.mark.parametrize("splits", [1, 2, 5, 16, 64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("page_size", [None, 1, 3, 16, 48, 64, 128, 192, 256])
@@ -451,14 +451,16 @@ def assert_matches_reference(q, k, v, used, out, lse, causal):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("page_size", [16, 48, 64])
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_prefill_many_tiles_cuda(d, page_size, causal):
     """More query tiles than SMs: without a mask the SM90 forward's persistent CTAs take several each (one tile's
     output stores beside the next tile's loads), causal ones one CTA per tile. Read from shuffled pages (rows copied
-    for pages of 16 and 48, 64-row boxes for 64), the output is the contiguous cache's, bit for bit where the key
-    blocks are the same (d 64, 128), and within flash-attn's rule of the reference for every sequence."""
+    for pages of 16 and 48, 64-row boxes for 64; at d 96 gathered into a contiguous copy), the output is the
+    contiguous cache's, bit for bit where the key blocks are the same (d 64, 96, 128; d 192's and 256's paged kernels
+    read blocks of 64 keys, their contiguous ones 112 and 80), and within flash-attn's rule of the reference for every
+    sequence."""
     require_kernel(d, bf16)
     b, sq, h, hk, sk = 2, 400, 48, 8, 1000
     q = torch.randn(b, sq, h, d, dtype=bf16, device="cuda")
@@ -469,7 +471,7 @@ def test_paged_prefill_many_tiles_cuda(d, page_size, causal):
                                        num_splits=1, return_softmax_lse=True)
     dense, dense_lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=used, causal=causal, num_splits=1,
                                                return_softmax_lse=True)
-    if d != 256:  # d 256's paged kernel reads 64-key blocks, its contiguous one 80
+    if d <= 128:
         assert torch.equal(out, dense) and torch.equal(lse, dense_lse)
     for i in range(b):
         n = int(used[i])
@@ -604,7 +606,7 @@ def test_split_one_query_many_heads_cuda(splits, h, hk, d):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_decode_load_schedules_agree_cuda(d, page_size):
     """The 16-row decode tile's three load schedules give the same bits, over a partial last key block: unsplit, one
@@ -827,7 +829,7 @@ def test_small_pages_gathered_for_the_faster_tier(stub_kernel, monkeypatch, page
     monkeypatch.setattr(_ops, "split_tier_is_default", lambda q, tier: False)
     monkeypatch.setattr(_ops, "split_forward_tier", lambda q, k, table, leftpad, packed, tier:
                         "sm80" if leftpad is not None or (table is not None and
-                                                          not _ops.forward_reads_pages("sm90", k.shape[1])) else "sm90")
+                                                          not _ops.forward_reads_pages("sm90", k.shape[1], q.shape[-1])) else "sm90")
     monkeypatch.setattr(_ops, "split_attention", fake_split)
     b, sq, hk, d, cache_len = 2, 128, 2, 64, 192
     q = torch.randn(b, sq, 8, d, dtype=bf16)

@@ -123,7 +123,7 @@ def build_varlen_cases():
         cases.append(VarlenCase(pick(DTYPES), d, *MIXES["zeros_q"], heads="gqa", causal=causal, layout="sliced",
                                 mix="zeros_q"))
     # One long sequence among short ones.
-    for d, causal in itertools.product((64, 128, 256), (False, True)):
+    for d, causal in itertools.product((64, 96, 128, 192, 256), (False, True)):
         cases.append(VarlenCase(pick(DTYPES), d, *LONG_MIX, heads="mqa", causal=causal, mix="long"))
     # Everything at once.
     for dtype, d in zip(DTYPES, (40, 224)):

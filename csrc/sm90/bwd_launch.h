@@ -166,16 +166,17 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
 // Tiles: 128 keys (64 per consumer warpgroup) by query blocks of 64 rows, or 128 at head dim 64 without softcap
 // (whose tanh derivative needs S^T and dP^T in registers together, which 128 rows do not leave room for: see
 // BwdTraits::kdPAfterP); Q and dO double-buffered. Accumulators per consumer thread: dK + dV kHeadDim, S^T and dP^T
-// block_m / 2 each, dQ block_m * kHeadDim / 256. Head dim 256 (BwdTraits::kSplitHeadDim): 64 keys shared by both
-// warpgroups, dK + dV 128 and S^T + dP^T 64 registers, dQ in two slices of 32; 208 KB of shared memory with Q
-// double-buffered and dO single. Outside deterministic mode its CTAs come in key pairs (run_bwd).
+// block_m / 2 each, dQ block_m * kHeadDim / 256. Head dims 192 and 256 (BwdTraits::kSplitHeadDim): 64 keys shared by
+// both warpgroups; at 256 dK + dV 128 and S^T + dP^T 64 registers, dQ in two slices of 32, and 208 KB of shared memory
+// with Q double-buffered and dO single (outside deterministic mode its CTAs come in key pairs: run_bwd); at 192, dQ in
+// three slices of 16 registers, and dO double-buffered too (192 KB).
 template <int kHeadDim, bool kSoftcap>
 constexpr BwdTile kBwdTile = kHeadDim > 128
-    ? BwdTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = 1}
+    ? BwdTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = kHeadDim == 256 ? 1 : 2}
     : BwdTile{.block_m = kHeadDim == 64 && !kSoftcap ? 128 : 64, .block_n = 128, .q_stages = 2, .do_stages = 2,
               .kv_stages = kHeadDim == 64 ? 2 : 1};
 
-// The call's WaveTail. Key pairs (head dim 256, clusters of two) are not split. A part's fixed cost grows with the
+// The call's WaveTail. Split head dims (192, 256: key pairs, clusters of two, at 256) are not split. A part's fixed cost grows with the
 // head dim: two steps at 64.
 template <int kHeadDim>
 WaveTail bwd_wave_tail(BwdParams const& params, LaunchHints const& hints) {
@@ -206,11 +207,13 @@ Workspace bwd_workspace_sm90(BwdParams const& params, LaunchHints const& hints) 
 
 template <int kHeadDim, typename Element>
 cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
-    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "no SM90 backward tile for this head dim");
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+                  "no SM90 backward tile for this head dim");
     WaveTail const tail = bwd_wave_tail<kHeadDim>(params, hints);
     BwdParams const bound = bwd_workspace_layout<kHeadDim>(params, tail).bind(params, workspace);
-    if constexpr (kHeadDim > 128) {
-        // Key pairs add dQ from registers in no fixed order: the deterministic mode keeps the lone key block.
+    if constexpr (kHeadDim == 256) {
+        // Key pairs add dQ from registers in no fixed order: the deterministic mode keeps the lone key block. (At d
+        // 192 a CTA's head-dim half is three dQ slices, which two warpgroups cannot share: lone blocks only.)
         if (!params.deterministic) {
             constexpr BwdTile kPairTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = 1, .key_pair = true};
             return launch_bwd<BwdTraits<kHeadDim, kPairTile, Element>>(bound, hints, tail, stream);

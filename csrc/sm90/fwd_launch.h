@@ -108,25 +108,29 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
 }
 
 // Tiles. d 64: three consumer warpgroups (192 query rows), since its GEMMs are short
-// beside the softmax and a third warpgroup's GEMMs fill the gaps. d 128: two, key blocks of 128 (176, as
-// FlashAttention-3 uses for unmasked tiles, measured 3-8% slower here at 2k, equal at 8k, and spills). d 256: two,
-// the widest key block whose two K and V stages fit beside Q (224 KB).
+// beside the softmax and a third warpgroup's GEMMs fill the gaps. d 96 and 128: two, key blocks of 128 (176, as
+// FlashAttention-3 uses for unmasked tiles, measured 3-8% slower here at 2k, equal at 8k, and spills). d 192 and
+// 256: two, the widest key block whose two K and V stages fit beside Q (216 and 224 KB; the output stages in V's ring).
 // A paged cache's key block arrives whole from its page, or where the page size is no multiple of the block, as
 // boxes of kPageBoxRows rows or row by row (mainloop.h).
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
     constexpr FwdTile kTile = kHeadDim == 256   ? FwdTile{.block_m = 128, .block_n = 80, .kv_stages = 2}
-                              : kHeadDim == 128 ? FwdTile{.block_m = 128, .block_n = 128, .kv_stages = 2}
+                              : kHeadDim == 192 ? FwdTile{.block_m = 128, .block_n = 112, .kv_stages = 2}
+                              : kHeadDim >= 96  ? FwdTile{.block_m = 128, .block_n = 128, .kv_stages = 2}
                                                 : FwdTile{.block_m = 192, .block_n = 128, .kv_stages = 2};
-    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "no SM90 forward tile for this head dim");
+    static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+                  "no SM90 forward tile for this head dim");
     using Traits = FwdTraits<kHeadDim, kTile, Element>;
     if (params.block_table == nullptr) { return launch_fwd<Traits>(params, hints, stream); }
-    if constexpr (kTile.block_n % kPageBoxRows == 0) {
+    if constexpr (!Traits::kWideSwizzle) {
+        return cudaErrorNotSupported;  // unsupported_fwd gives these paged calls to the SM80 tier
+    } else if constexpr (kTile.block_n % kPageBoxRows == 0) {
         // The dense kernel's two K / V stages: a third bought nothing once the producer warpgroup copies whole lines
         // (d 128, pages of 16, 64 and 128: equal or up to 3% slower with three; H100, RESULTS.md).
         return launch_fwd<Traits, true>(params, hints, stream);
     } else {
-        // d 256's 80-key blocks would straddle pages: blocks of 64 (two stages are all that fit beside Q).
+        // d 192's and 256's key blocks (112, 80) would straddle pages: blocks of 64 (two stages fit beside Q).
         return launch_fwd<FwdTraits<kHeadDim, FwdTile{.block_m = kTile.block_m, .block_n = kPageBoxRows,
                                                       .kv_stages = kTile.kv_stages}, Element>, true>(
             params, hints, stream);
@@ -143,6 +147,9 @@ char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
     }
     if (params.block_table != nullptr && params.page_size % kPageMultiple != 0) {
         return "pages of a size that is not a multiple of 16 are taken by the SM80 tier's forward";
+    }
+    if (params.block_table != nullptr && kHeadDim % 64 != 0) {
+        return "paged caches at head dims that are not multiples of 64 are taken by the SM80 tier's forward";
     }
     return unsupported_head_dim<kHeadDim, FwdParams>(params, hints);
 }

@@ -1,7 +1,7 @@
 // SM90-tier tiles. Forward: the warp roles and their register budgets, wgmma (GMMA) atoms for S = Q K^T (both
 // operands in shared memory) and O += P V (P in registers), shared-memory layouts in the 128-byte-swizzled GMMA atoms
-// that TMA reads and writes, the TMA copy types, the K / V rings and the output's staging buffer. Backward: the same
-// for its five GEMMs, the Q and dO rings, and the dQ staging buffer.
+// (64-byte where the head dim asks) that TMA reads and writes, the TMA copy types, the K / V rings and the output's
+// staging buffer. Backward: the same for its five GEMMs, the Q and dO rings, and the dQ staging buffer.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -48,8 +48,13 @@ struct FwdTraits {
     static constexpr int kConsumerWarpGroups = kBlockM / 64;
     static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
     static constexpr int kNThreads = kConsumerThreads + 128;
-    static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0 && kBlockN % 16 == 0);
+    static_assert(kBlockM % 64 == 0 && kHeadDim % 32 == 0 && kBlockN % 16 == 0);
     static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3);
+    // Rows of whole 128-byte swizzle atoms (64 columns), which the paged kernel's row copies assume, or of 64-byte ones
+    // (d 96).
+    static constexpr bool kWideSwizzle = kHeadDim % 64 == 0;
+    using SmemAtom = std::conditional_t<kWideSwizzle, GMMA::Layout_K_SW128_Atom<Element>,
+                                        GMMA::Layout_K_SW64_Atom<Element>>;
     // setmaxnreg budgets, multiples of 8 within 64K registers: 128 * (24 + 2 * 240), 128 * (32 + 3 * 160). The
     // producer needs few.
     static constexpr int kProducerRegisters = kConsumerWarpGroups == 2 ? 24 : 32;
@@ -81,11 +86,8 @@ struct FwdTraits {
                              GMMA::Major::MN>(),
         Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>{}));
 
-    // Head dims are multiples of 64 elements: rows of 128 bytes, the widest swizzle.
-    using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                               Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    using SmemLayoutKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                                Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+    using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
     // V as the (head dim, key) B operand of O += P V over the same bytes.
     using SmemLayoutVt = decltype(composition(
         SmemLayoutKV{},
@@ -112,10 +114,9 @@ struct FwdTraits {
     // The output tile is staged in shared memory and stored by TMA, one 64-row slab per consumer warpgroup (each
     // slab whole in the swizzled layout TMA reads), so the consumers hand it off in a few hundred cycles: writing it
     // from registers took ~8% of a d 128 tile at 2k. Rows are (row in slab, warpgroup).
-    using SmemLayoutOSlab = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                                   Shape<_64, Int<kHeadDim>>{}));
+    using SmemLayoutOSlab = decltype(tile_to_shape(SmemAtom{}, Shape<_64, Int<kHeadDim>>{}));
     using SmemLayoutO = decltype(composition(
-        tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<_64, Int<kHeadDim>, Int<kConsumerWarpGroups>>{}),
+        tile_to_shape(SmemAtom{}, Shape<_64, Int<kHeadDim>, Int<kConsumerWarpGroups>>{}),
         Layout<Shape<Shape<_64, Int<kConsumerWarpGroups>>, Int<kHeadDim>>,
                Stride<Stride<_1, Int<64 * kHeadDim>>, _64>>{}));
     using GmemTensorO = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{},
@@ -244,24 +245,30 @@ struct BwdTraits {
     // kSplitHeadDim: a warpgroup's dQ columns in kdQRounds slices of kdQSliceCols, each computed, staged and added on
     // its own (a whole d 256 tile's staging buffer does not fit beside the rings). Slice r of a warpgroup is values
     // [r, r + 1) * kdQSliceValues of its TiledMmadQ fragment (wgmma's fragment runs over 8-column groups last), so the
-    // workspace keeps TiledMmadQ's order for the conversion kernel.
-    static constexpr int kdQRounds = kSplitHeadDim ? 2 : 1;
-    static constexpr int kdQSliceCols = kdQCols / kdQRounds;
+    // workspace keeps TiledMmadQ's order for the conversion kernel. Slices of 64 columns where two make a
+    // warpgroup's (d 256), else of 32 (d 192: three), so that each starts on a swizzle atom of K^T (SmemAtomK).
+    static constexpr int kdQSliceCols = !kSplitHeadDim ? kdQCols : kdQCols % 128 == 0 ? 64 : 32;
+    static constexpr int kdQRounds = kdQCols / kdQSliceCols;
+    static_assert(kdQCols % kdQSliceCols == 0);
+    // kKeyPair: warpgroup wg of either CTA adds slice wg of that CTA's head-dim half.
+    static_assert(!kKeyPair || kdQRounds == kConsumerWarpGroups);
     using TiledMmadQSlice = decltype(make_tiled_mma(
         GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kdQSliceCols>, Int<kBlockN>>, GMMA::Major::MN,
                              GMMA::Major::MN>(),
         OneWarpGroup{}));
 
-    // K^T is read in head-dim slices of kdQSliceCols: its swizzle atom must not be wider than one slice.
-    using SmemAtomK = std::conditional_t<kdQSliceCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
-                                         GMMA::Layout_K_SW64_Atom<Element>>;
-    using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                               Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
-    using SmemLayoutdO = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                                Shape<Int<kBlockM>, Int<kHeadDim>, Int<kdOStages>>{}));
+    // A wgmma operand sliced along the head dim must start each slice on a swizzle atom: Q^T and dO^T (dK's and dV's
+    // B, split between the warpgroups), and V and K (dV and dK leave through them); K^T is also read in dQ's slices
+    // of kdQSliceCols. Atoms of 64 columns where the slices allow, else 32 (d 192: 96 columns a warpgroup).
+    template <int kSliceCols>
+    using SmemAtomFor = std::conditional_t<kSliceCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                                           GMMA::Layout_K_SW64_Atom<Element>>;
+    using SmemAtomD = SmemAtomFor<kdKVCols>;
+    using SmemAtomK = SmemAtomFor<cute::gcd(kdKVCols, kdQSliceCols)>;
+    using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
+    using SmemLayoutdO = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kdOStages>>{}));
     using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    using SmemLayoutV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                               Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    using SmemLayoutV = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
     // kKeyPair: the other block's half of K (the head-dim half this CTA adds), and its dS^T (two buffers).
     static constexpr int kPeerKCols = kKeyPair ? kHeadDim / 2 : kHeadDim;
     using SmemLayoutKHalf = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kPeerKCols>>{}));
