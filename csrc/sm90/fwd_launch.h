@@ -149,7 +149,8 @@ char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
         return "pages of a size that is not a multiple of 16 are taken by the SM80 tier's forward";
     }
     if (params.block_table != nullptr && kHeadDim % 64 != 0) {
-        return "paged caches at head dims that are not multiples of 64 are taken by the SM80 tier's forward";
+        // The catalog's paged_head_dims: Python gathers these pages into a contiguous copy or takes the SM80 tier.
+        return "paged caches are not read in place at a kernel head dim that is not a multiple of 64";
     }
     return unsupported_head_dim<kHeadDim, FwdParams>(params, hints);
 }
