@@ -68,9 +68,11 @@ def test_sm90_forward_reads_pages_by_size_and_head_dim(page_size, head_dim, read
     192, 256: its row copies assume them); d 96's kernel (d 65-96) gets its pages gathered; the SM80 tier reads any."""
     assert _ops.forward_reads_pages("sm90", page_size, head_dim) is reads
     assert _ops.forward_reads_pages("sm80", page_size, head_dim) is True
-    # sm90/fwd_launch.h's unsupported_fwd refuses pages at the kernel head dims that are no multiple of 64.
+    # sm90/tile_traits.h's reads_pages, which the kernel's unsupported_fwd applies.
     kind = _catalog.TIERS["sm90"].kinds["fwd"]
     assert kind.paged_head_dims == tuple(d for d in kind.head_dims if d % 64 == 0)
+    text = (ROOT / "csrc" / "sm90" / "tile_traits.h").read_text()
+    assert "constexpr bool reads_pages(int head_dim) { return head_dim % 64 == 0; }" in text
 
 
 def test_compile_check_covers_every_tier_and_kind():

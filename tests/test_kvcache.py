@@ -828,8 +828,8 @@ def test_small_pages_gathered_for_the_faster_tier(stub_kernel, monkeypatch, page
     monkeypatch.setattr(_ops, "decode_route", lambda q, tier: _ops.DecodeRoute(80, 64, 80, 132, 232448))
     monkeypatch.setattr(_ops, "split_tier_is_default", lambda q, tier: False)
     monkeypatch.setattr(_ops, "split_forward_tier", lambda q, k, table, leftpad, packed, tier:
-                        "sm80" if leftpad is not None or (table is not None and
-                                                          not _ops.forward_reads_pages("sm90", k.shape[1], q.shape[-1])) else "sm90")
+                        "sm80" if leftpad is not None or (table is not None and not _ops.forward_reads_pages(
+                            "sm90", k.shape[1], q.shape[-1])) else "sm90")
     monkeypatch.setattr(_ops, "split_attention", fake_split)
     b, sq, hk, d, cache_len = 2, 128, 2, 64, 192
     q = torch.randn(b, sq, 8, d, dtype=bf16)

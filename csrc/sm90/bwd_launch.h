@@ -167,17 +167,17 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
 // (whose tanh derivative needs S^T and dP^T in registers together, which 128 rows do not leave room for: see
 // BwdTraits::kdPAfterP); Q and dO double-buffered. Accumulators per consumer thread: dK + dV kHeadDim, S^T and dP^T
 // block_m / 2 each, dQ block_m * kHeadDim / 256. Head dims 192 and 256 (BwdTraits::kSplitHeadDim): 64 keys shared by
-// both warpgroups; at 256 dK + dV 128 and S^T + dP^T 64 registers, dQ in two slices of 32, and 208 KB of shared memory
-// with Q double-buffered and dO single (outside deterministic mode its CTAs come in key pairs: run_bwd); at 192, dQ in
-// three slices of 16 registers, and dO double-buffered too (192 KB).
+// both warpgroups; at 256 dK + dV 128 and S^T + dP^T 64 registers, dQ in two slices of 32 registers, and 208 KB of
+// shared memory with Q double-buffered and dO single (outside deterministic mode its CTAs come in key pairs: run_bwd);
+// at 192, dQ in three slices of 16 registers, and dO double-buffered too (192 KB).
 template <int kHeadDim, bool kSoftcap>
 constexpr BwdTile kBwdTile = kHeadDim > 128
     ? BwdTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = kHeadDim == 256 ? 1 : 2}
     : BwdTile{.block_m = kHeadDim == 64 && !kSoftcap ? 128 : 64, .block_n = 128, .q_stages = 2, .do_stages = 2,
               .kv_stages = kHeadDim == 64 ? 2 : 1};
 
-// The call's WaveTail. Split head dims (192, 256: key pairs, clusters of two, at 256) are not split. A part's fixed cost grows with the
-// head dim: two steps at 64.
+// The call's WaveTail. Split head dims (192, 256; at 256 key pairs, clusters of two) are not split. A part's fixed
+// cost grows with the head dim: two steps at 64.
 template <int kHeadDim>
 WaveTail bwd_wave_tail(BwdParams const& params, LaunchHints const& hints) {
     if constexpr (kHeadDim > 128) {

@@ -123,7 +123,7 @@ cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cu
                   "no SM90 forward tile for this head dim");
     using Traits = FwdTraits<kHeadDim, kTile, Element>;
     if (params.block_table == nullptr) { return launch_fwd<Traits>(params, hints, stream); }
-    if constexpr (!Traits::kWideSwizzle) {
+    if constexpr (!reads_pages(kHeadDim)) {
         return cudaErrorNotSupported;  // unsupported_fwd gives these paged calls to the SM80 tier
     } else if constexpr (kTile.block_n % kPageBoxRows == 0) {
         // The dense kernel's two K / V stages: a third bought nothing once the producer warpgroup copies whole lines
@@ -148,8 +148,8 @@ char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
     if (params.block_table != nullptr && params.page_size % kPageMultiple != 0) {
         return "pages of a size that is not a multiple of 16 are taken by the SM80 tier's forward";
     }
-    if (params.block_table != nullptr && kHeadDim % 64 != 0) {
-        // The catalog's paged_head_dims: Python gathers these pages into a contiguous copy or takes the SM80 tier.
+    if (params.block_table != nullptr && !reads_pages(kHeadDim)) {
+        // Python gathers these pages into a contiguous copy or takes the SM80 tier.
         return "paged caches are not read in place at a kernel head dim that is not a multiple of 64";
     }
     return unsupported_head_dim<kHeadDim, FwdParams>(params, hints);

@@ -36,6 +36,16 @@ struct FwdTile {
 // (load_page_rows) or as TMA boxes of kPageBoxRows rows, each from its page.
 constexpr int kPageMultiple = 16;
 constexpr int kPageBoxRows = 64;
+// The row copies (load_page_rows) assume rows of whole 128-byte swizzle atoms: the paged forward runs at the kernel
+// head dims that are multiples of 64 (the catalog's Kind.paged_head_dims).
+constexpr bool reads_pages(int head_dim) { return head_dim % 64 == 0; }
+
+// The K-major swizzle atom for tiles whose column slices (a warpgroup's, a GEMM's) are kSliceCols wide: 128-byte atoms
+// (64 columns) where those divide, else 64-byte ones (32), so that every slice starts on an atom (wgmma's descriptors
+// and stmatrix need that).
+template <class Element, int kSliceCols>
+using SmemAtomFor = std::conditional_t<kSliceCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                                       GMMA::Layout_K_SW64_Atom<Element>>;
 
 template <int kHeadDim_, FwdTile kTile, typename Element_>
 struct FwdTraits {
@@ -50,11 +60,7 @@ struct FwdTraits {
     static constexpr int kNThreads = kConsumerThreads + 128;
     static_assert(kBlockM % 64 == 0 && kHeadDim % 32 == 0 && kBlockN % 16 == 0);
     static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3);
-    // Rows of whole 128-byte swizzle atoms (64 columns), which the paged kernel's row copies assume, or of 64-byte ones
-    // (d 96).
-    static constexpr bool kWideSwizzle = kHeadDim % 64 == 0;
-    using SmemAtom = std::conditional_t<kWideSwizzle, GMMA::Layout_K_SW128_Atom<Element>,
-                                        GMMA::Layout_K_SW64_Atom<Element>>;
+    using SmemAtom = SmemAtomFor<Element, kHeadDim>;
     // setmaxnreg budgets, multiples of 8 within 64K registers: 128 * (24 + 2 * 240), 128 * (32 + 3 * 160). The
     // producer needs few.
     static constexpr int kProducerRegisters = kConsumerWarpGroups == 2 ? 24 : 32;
@@ -257,14 +263,10 @@ struct BwdTraits {
                              GMMA::Major::MN>(),
         OneWarpGroup{}));
 
-    // A wgmma operand sliced along the head dim must start each slice on a swizzle atom: Q^T and dO^T (dK's and dV's
-    // B, split between the warpgroups), and V and K (dV and dK leave through them); K^T is also read in dQ's slices
-    // of kdQSliceCols. Atoms of 64 columns where the slices allow, else 32 (d 192: 96 columns a warpgroup).
-    template <int kSliceCols>
-    using SmemAtomFor = std::conditional_t<kSliceCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
-                                           GMMA::Layout_K_SW64_Atom<Element>>;
-    using SmemAtomD = SmemAtomFor<kdKVCols>;
-    using SmemAtomK = SmemAtomFor<cute::gcd(kdKVCols, kdQSliceCols)>;
+    // Sliced along the head dim: Q^T and dO^T (dK's and dV's B, split between the warpgroups), V and K (dV and dK leave
+    // through them), and K^T also in dQ's slices of kdQSliceCols (d 192: 96 columns a warpgroup, 64-byte atoms).
+    using SmemAtomD = SmemAtomFor<Element, kdKVCols>;
+    using SmemAtomK = SmemAtomFor<Element, cute::gcd(kdKVCols, kdQSliceCols)>;
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
     using SmemLayoutdO = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kdOStages>>{}));
     using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
