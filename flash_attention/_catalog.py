@@ -77,7 +77,7 @@ TIERS = {
     "sm90": Tier("sm90", 90, (90,), ((9, 0), (9, 0)),
                  {"fwd": Kind("FwdParams", "sm90/fwd_launch.h", (64, 96, 128, 192, 256), page_multiple=16,
                               paged_head_dims=(64, 128, 192, 256)),
-                  "bwd": Kind("BwdParams", "sm90/bwd_launch.h", (64, 128, 192, 256))},
+                  "bwd": Kind("BwdParams", "sm90/bwd_launch.h", (64, 96, 128, 192, 256))},
                  ("sm90",), "a", ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), fallback="sm80"),
 }
 TIER_BY_ID = {tier.id: tier for tier in TIERS.values()}

@@ -207,7 +207,7 @@ Workspace bwd_workspace_sm90(BwdParams const& params, LaunchHints const& hints) 
 
 template <int kHeadDim, typename Element>
 cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
-    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+    static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
                   "no SM90 backward tile for this head dim");
     WaveTail const tail = bwd_wave_tail<kHeadDim>(params, hints);
     BwdParams const bound = bwd_workspace_layout<kHeadDim>(params, tail).bind(params, workspace);

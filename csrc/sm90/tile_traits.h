@@ -40,12 +40,13 @@ constexpr int kPageBoxRows = 64;
 // head dims that are multiples of 64 (the catalog's Kind.paged_head_dims).
 constexpr bool reads_pages(int head_dim) { return head_dim % 64 == 0; }
 
-// The K-major swizzle atom for tiles whose column slices (a warpgroup's, a GEMM's) are kSliceCols wide: 128-byte atoms
-// (64 columns) where those divide, else 64-byte ones (32), so that every slice starts on an atom (wgmma's descriptors
-// and stmatrix need that).
+// The K-major swizzle atom for tiles whose column slices (a warpgroup's, a GEMM's) are kSliceCols wide: the widest of
+// 128-byte (64 columns), 64-byte (32) and 32-byte (16) atoms that divides them, so that every slice starts on an atom
+// (wgmma's descriptors and stmatrix need that).
 template <class Element, int kSliceCols>
-using SmemAtomFor = std::conditional_t<kSliceCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
-                                       GMMA::Layout_K_SW64_Atom<Element>>;
+using SmemAtomFor = std::conditional_t<
+    kSliceCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+    std::conditional_t<kSliceCols % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>>;
 
 template <int kHeadDim_, FwdTile kTile, typename Element_>
 struct FwdTraits {
@@ -212,7 +213,7 @@ struct BwdTraits {
     static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
     static constexpr int kNThreads = kConsumerThreads + 128;
     // dS is staged as (key, query) rows of 128-byte swizzle atoms, one per 64 queries.
-    static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 64 == 0);
+    static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 32 == 0);
     static_assert(kConsumerWarpGroups == 2, "dQ splits its rows or the head dim in two");
     static_assert(!kSplitHeadDim || (kBlockN == 64 && kBlockM == 64),
                   "split head dims share one warpgroup's 64 keys, and dQ is one warpgroup's 64 rows");
