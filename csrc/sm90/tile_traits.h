@@ -265,7 +265,8 @@ struct BwdTraits {
         OneWarpGroup{}));
 
     // Sliced along the head dim: Q^T and dO^T (dK's and dV's B, split between the warpgroups), V and K (dV and dK leave
-    // through them), and K^T also in dQ's slices of kdQSliceCols (d 192: 96 columns a warpgroup, 64-byte atoms).
+    // through them), and K^T also in dQ's slices of kdQSliceCols (d 192: 96 columns a warpgroup, 64-byte atoms; d 96:
+    // dQ's 48 columns a warpgroup put K in 32-byte atoms).
     using SmemAtomD = SmemAtomFor<Element, kdKVCols>;
     using SmemAtomK = SmemAtomFor<Element, cute::gcd(kdKVCols, kdQSliceCols)>;
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
