@@ -168,9 +168,9 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
 // BwdTraits::kdPAfterP); Q and dO double-buffered. Accumulators per consumer thread: dK + dV kHeadDim, S^T and dP^T
 // block_m / 2 each, dQ block_m * kHeadDim / 256 (d 96: 184 in all, and dQ's 48-column halves read K in 32-byte atoms;
 // on an H100 1.65-1.78x the SM80 tier, RESULTS.md session 62). Head dims 192 and 256 (BwdTraits::kSplitHeadDim): 64
-// keys shared by both warpgroups; at 256 dK + dV 128 and S^T + dP^T 64 registers, dQ in two slices of 32 registers, and 208 KB of
-// shared memory with Q double-buffered and dO single (outside deterministic mode its CTAs come in key pairs: run_bwd);
-// at 192, dQ in three slices of 16 registers, and dO double-buffered too (192 KB).
+// keys shared by both warpgroups; at 256 dK + dV 128 and S^T + dP^T 64 registers, dQ in two slices of 32 registers,
+// and 208 KB of shared memory with Q double-buffered and dO single (outside deterministic mode its CTAs come in key
+// pairs: run_bwd); at 192, dQ in three slices of 16 registers, and dO double-buffered too (192 KB).
 template <int kHeadDim, bool kSoftcap>
 constexpr BwdTile kBwdTile = kHeadDim > 128
     ? BwdTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = kHeadDim == 256 ? 1 : 2}
