@@ -169,15 +169,15 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
 // block_m / 2 each, dQ block_m * kHeadDim / 256 (d 96: 184 in all, and dQ's 48-column halves read K in 32-byte atoms;
 // on an H100 1.65-1.78x the SM80 tier, RESULTS.md session 62). Head dims 192 and 256 (BwdTraits::kSplitHeadDim): 64
 // keys shared by both warpgroups; at 256 dK + dV 128 and S^T + dP^T 64 registers, dQ in two slices of 32 registers,
-// and 208 KB of shared memory with Q double-buffered and dO single (outside deterministic mode its CTAs come in key
-// pairs: run_bwd); at 192, dQ in three slices of 16 registers, and dO double-buffered too (192 KB).
+// and 208 KB of shared memory with Q double-buffered and dO single; at 192, dQ in two slices of 24 registers (48
+// columns), and dO double-buffered too. Outside deterministic mode both come in key pairs (run_bwd).
 template <int kHeadDim, bool kSoftcap>
 constexpr BwdTile kBwdTile = kHeadDim > 128
     ? BwdTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = kHeadDim == 256 ? 1 : 2}
     : BwdTile{.block_m = kHeadDim == 64 && !kSoftcap ? 128 : 64, .block_n = 128, .q_stages = 2, .do_stages = 2,
               .kv_stages = kHeadDim == 64 ? 2 : 1};
 
-// The call's WaveTail. Split head dims (192, 256; at 256 key pairs, clusters of two) are not split. A part's fixed
+// The call's WaveTail. Split head dims (192, 256; key pairs, clusters of two) are not split. A part's fixed
 // cost grows with the head dim: two steps at 64.
 template <int kHeadDim>
 WaveTail bwd_wave_tail(BwdParams const& params, LaunchHints const& hints) {
@@ -212,11 +212,11 @@ cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* wor
                   "no SM90 backward tile for this head dim");
     WaveTail const tail = bwd_wave_tail<kHeadDim>(params, hints);
     BwdParams const bound = bwd_workspace_layout<kHeadDim>(params, tail).bind(params, workspace);
-    if constexpr (kHeadDim == 256) {
-        // Key pairs add dQ from registers in no fixed order: the deterministic mode keeps the lone key block. (At d
-        // 192 a CTA's head-dim half is three dQ slices, which two warpgroups cannot share: lone blocks only.)
+    if constexpr (kHeadDim > 128) {
+        // Key pairs add dQ from registers in no fixed order: the deterministic mode keeps the lone key block.
         if (!params.deterministic) {
-            constexpr BwdTile kPairTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = 1, .key_pair = true};
+            constexpr BwdTile kPairTile{.block_m = 64, .block_n = 64, .q_stages = 2,
+                                        .do_stages = kBwdTile<kHeadDim, false>.do_stages, .key_pair = true};
             return launch_bwd<BwdTraits<kHeadDim, kPairTile, Element>>(bound, hints, tail, stream);
         }
     }

@@ -252,9 +252,10 @@ struct BwdTraits {
     // kSplitHeadDim: a warpgroup's dQ columns in kdQRounds slices of kdQSliceCols, each computed, staged and added on
     // its own (a whole d 256 tile's staging buffer does not fit beside the rings). Slice r of a warpgroup is values
     // [r, r + 1) * kdQSliceValues of its TiledMmadQ fragment (wgmma's fragment runs over 8-column groups last), so the
-    // workspace keeps TiledMmadQ's order for the conversion kernel. Slices of 64 columns where two make a
-    // warpgroup's (d 256), else of 32 (d 192: three), so that each starts on a swizzle atom of K^T (SmemAtomK).
-    static constexpr int kdQSliceCols = !kSplitHeadDim ? kdQCols : kdQCols % 128 == 0 ? 64 : 32;
+    // workspace keeps TiledMmadQ's order for the conversion kernel. Two slices a warpgroup (d 256: 64 columns, d 192:
+    // 48, with K in 32-byte atoms so that each starts on one of K^T's swizzle atoms), so that key pairs can give one to
+    // each warpgroup.
+    static constexpr int kdQSliceCols = !kSplitHeadDim ? kdQCols : kdQCols / 2;
     static constexpr int kdQRounds = kdQCols / kdQSliceCols;
     static_assert(kdQCols % kdQSliceCols == 0);
     // kKeyPair: warpgroup wg of either CTA adds slice wg of that CTA's head-dim half.
@@ -265,8 +266,8 @@ struct BwdTraits {
         OneWarpGroup{}));
 
     // Sliced along the head dim: Q^T and dO^T (dK's and dV's B, split between the warpgroups), V and K (dV and dK leave
-    // through them), and K^T also in dQ's slices of kdQSliceCols (d 192: 96 columns a warpgroup, 64-byte atoms; d 96:
-    // dQ's 48 columns a warpgroup put K in 32-byte atoms).
+    // through them), and K^T also in dQ's slices of kdQSliceCols (d 192: 96 columns a warpgroup, 64-byte atoms, and
+    // dQ's slices of 48 put K in 32-byte atoms; d 96 likewise for dQ's 48 columns a warpgroup).
     using SmemAtomD = SmemAtomFor<Element, kdKVCols>;
     using SmemAtomK = SmemAtomFor<Element, cute::gcd(kdKVCols, kdQSliceCols)>;
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
