@@ -172,7 +172,7 @@ cudaError_t launch_bwd(BwdParams const& params, LaunchHints const& hints, WaveTa
 // and 208 KB of shared memory with Q double-buffered and dO single; at 192, dQ in two slices of 24 registers (48
 // columns), and dO double-buffered too. Outside deterministic mode both come in key pairs (run_bwd).
 template <int kHeadDim, bool kSoftcap>
-constexpr BwdTile kBwdTile = kHeadDim > 128
+constexpr BwdTile kBwdTile = bwd_splits_head_dim(kHeadDim)
     ? BwdTile{.block_m = 64, .block_n = 64, .q_stages = 2, .do_stages = kHeadDim == 256 ? 1 : 2}
     : BwdTile{.block_m = kHeadDim == 64 && !kSoftcap ? 128 : 64, .block_n = 128, .q_stages = 2, .do_stages = 2,
               .kv_stages = kHeadDim == 64 ? 2 : 1};
@@ -181,7 +181,7 @@ constexpr BwdTile kBwdTile = kHeadDim > 128
 // cost grows with the head dim: two steps at 64.
 template <int kHeadDim>
 WaveTail bwd_wave_tail(BwdParams const& params, LaunchHints const& hints) {
-    if constexpr (kHeadDim > 128) {
+    if constexpr (bwd_splits_head_dim(kHeadDim)) {
         return {};
     } else {
         constexpr BwdTile kTile = kBwdTile<kHeadDim, false>, kSoftcapTile = kBwdTile<kHeadDim, true>;
@@ -212,7 +212,7 @@ cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* wor
                   "no SM90 backward tile for this head dim");
     WaveTail const tail = bwd_wave_tail<kHeadDim>(params, hints);
     BwdParams const bound = bwd_workspace_layout<kHeadDim>(params, tail).bind(params, workspace);
-    if constexpr (kHeadDim > 128) {
+    if constexpr (bwd_splits_head_dim(kHeadDim)) {
         // Key pairs add dQ from registers in no fixed order: the deterministic mode keeps the lone key block.
         if (!params.deterministic) {
             constexpr BwdTile kPairTile{.block_m = 64, .block_n = 64, .q_stages = 2,

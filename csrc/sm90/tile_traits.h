@@ -182,6 +182,8 @@ struct BwdTile {
 // the two warpgroups then share the CTA's 64 keys and split the head dim of dK, dV and dQ, and the queries of S^T and
 // dP^T; P^T and dS^T meet in shared memory (FA3's exchange at d 256, with the keys kept on M), from where dV and dK
 // read them.
+constexpr bool bwd_splits_head_dim(int head_dim) { return head_dim > 128; }
+
 template <int kHeadDim_, BwdTile kTile, typename Element_>
 struct BwdTraits {
     using Element = Element_;
@@ -191,7 +193,7 @@ struct BwdTraits {
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kQStages = kTile.q_stages;
     static constexpr int kdOStages = kTile.do_stages;
-    static constexpr bool kSplitHeadDim = kHeadDim > 128;
+    static constexpr bool kSplitHeadDim = bwd_splits_head_dim(kHeadDim);
     // kKeyPair (split head dims): the two CTAs of a cluster take adjacent key blocks of one head and walk the same
     // query blocks. Each sends its dS^T to the other, and adds one half of dQ's head dim over both blocks' keys (its
     // own K's half and the other's, loaded once): half the dQ bytes per FLOP that a lone 64-key block adds, which
