@@ -243,6 +243,14 @@ template <class Traits>
 struct DsExchange {
     typename Traits::SharedStorage& shared;
     uint32_t peer;  // the other CTA's rank in the cluster
+    // The other CTA's peer_ds_empty[0], mapped once: mapped at every step into a scratch register, the remote arrive
+    // held that register until the next step's first write to it, which stalled the arriving warp there (ncu: 11% of
+    // the pair kernel's stall samples, RESULTS.md session 63).
+    uint32_t peer_empty;
+
+    __device__ __forceinline__ DsExchange(typename Traits::SharedStorage& shared, uint32_t peer)
+        : shared(shared), peer(peer),
+          peer_empty(cute::set_block_rank(cute::cast_smem_ptr_to_uint(&shared.peer_ds_empty[0]), peer)) {}
 
     static constexpr int kBufferElements = Traits::kBlockN * Traits::kBlockM;
 
@@ -280,7 +288,12 @@ struct DsExchange {
     }
     // One thread per consumer warpgroup, once the warpgroup's wgmma reads of step it's received dS^T are complete.
     __device__ __forceinline__ void release_received(int it) const {
-        cutlass::arch::ClusterBarrier::arrive(&shared.peer_ds_empty[it % 2], peer, 1u);
+        static_assert(sizeof(shared.peer_ds_empty[0]) == 8);
+        if (it % 2 == 0) {
+            asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(peer_empty) : "memory");
+        } else {
+            asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0 + 8];" ::"r"(peer_empty) : "memory");
+        }
     }
     // The sender, before its CTA exits: the other CTA has read the last copies (and its last arrivals have landed).
     __device__ __forceinline__ void drain(int iters) const {
