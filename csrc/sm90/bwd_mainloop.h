@@ -481,6 +481,27 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     QueryBlockCursor<!Traits::kSplitHeadDim> cur(params, work);
     int const iters = work.iterations(params);
 
+    // kKeyPair: this warpgroup's dQ slice (K^T's tile dq_slice) of a step, over this block's keys and then the other
+    // block's. The second part runs in the next step, behind its S^T and dP^T, so that the other CTA's dS^T has that
+    // long to arrive (waiting for it at the end of its own step stalled the consumers: ncu, RESULTS.md session 63);
+    // dq_pending is where that step's dQ adds, in the workspace.
+    int const dq_slice = rank * Traits::kdQRounds + wg;
+    auto acc_dq_pair = [&] {
+        if constexpr (kPair) {
+            return partition_fragment_C(mma_dq_slice, Shape<_64, Int<Traits::kdQSliceCols>>{});
+        } else {
+            return 0;
+        }
+    }();
+    int64_t dq_pending = 0;
+    // Once step it's dQ over the other block's keys is done: the received dS^T is free, and the slice adds.
+    auto finish_dq_pair = [&](int it) {
+        if constexpr (kPair) {
+            if (wg_tid == 0) { exchange.release_received(it); }
+            add_dq<128>(params.dq_accum + dq_pending, acc_dq_pair, wg_tid);
+        }
+    };
+
     auto step = [&](int it, auto mods) __attribute__((always_inline)) {
         int const row0 = cur.m_block * kBlockM;
         int const buf = it % 2;
@@ -507,6 +528,18 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         shared.q_ring.wait(q_state);
         gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_state.index), acc_s);
         if constexpr (!kdPAfterP) { issue_dp(); }
+        if constexpr (kPair) {
+            if (it > 0) {
+                exchange.wait_received(it - 1);
+                Tensor tdQrdS_peer_prev = tdQrdS_peer(_, _, _, (it - 1) % 2);
+                gemm<false>(mma_dq_slice, tdQrdS_peer_prev, tdQrKt_peer, acc_dq_pair);
+            } else {
+                warpgroup_commit_batch();  // empty, so that the waits below count the same batches
+            }
+        }
+        // Batches behind S^T: dP^T, and (kPair) the previous step's dQ over the other block's keys.
+        static_assert(!kPair || !kdPAfterP);
+        constexpr int kBehindS = (kdPAfterP ? 0 : 1) + (kPair ? 1 : 0);
 
         auto s_rc = rowcol_view(acc_s);    // (key, query)
         auto dp_rc = rowcol_view(acc_dp);
@@ -525,7 +558,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
             apply_score_mods_bwd(params, acc_s, acc_dp, s_qk, coord_qk, seq.batch, cur.head, row0, col0,
                                  window);
         } else {
-            warpgroup_wait<kdPAfterP ? 0 : 1>();  // S^T is done (wgmma batches complete in order)
+            warpgroup_wait<kBehindS>();  // S^T is done (wgmma batches complete in order)
             if constexpr (decltype(mods)::value) {  // ALiBi only: run_bwd gives softcap to a 64-row tile
                 apply_alibi(s_qk, coord_qk, row0, col0, window.diag_offset(),
                             alibi_slope(params, seq.batch, cur.head));
@@ -558,7 +591,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         } else {
             gemm<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, do_state.index), acc_dv);
         }
-        warpgroup_wait<1>();  // dP^T is done
+        warpgroup_wait<kPair ? 2 : 1>();  // dP^T is done (kPair: the previous step's dQ part and dV are not)
 
         // With dP^T issued after P, S^T's fp32 registers are gone: dS takes P from its 16-bit copy, read by 32-bit
         // words (tdVrP is in the accumulators' storage order), so that the packed registers stay its only copy; read
@@ -585,27 +618,20 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         }
 
         if constexpr (kPair) {
-            // This CTA's head-dim slice over its own keys, and dK, run while the other block's dS^T travels; then
-            // the slice over the other block's keys, and the additions from registers.
-            auto acc_dq = partition_fragment_C(mma_dq_slice, Shape<_64, Int<Traits::kdQSliceCols>>{});
-            Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
-            int const dq_slice = rank * Traits::kdQRounds + wg;  // of K^T's head-dim tiles and the workspace's runs
-            Tensor tdQrKt_own = kt_slice(dq_slice);
-            gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_own, acc_dq);
+            warpgroup_wait<1>();  // the previous step's dQ is done (dV is not)
             Tensor tdKsdS = tdKVsPdS(_, _, _, buf);
             gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
-            exchange.wait_received(it);
-            Tensor tdQrdS_peer_buf = tdQrdS_peer(_, _, _, buf);
-            gemm<false>(mma_dq_slice, tdQrdS_peer_buf, tdQrKt_peer, acc_dq);
-            warpgroup_wait<1>();  // dV and dK are done: dO and Q are free
+            // Its additions read the registers that this step's dQ then overwrites: issued under dK.
+            if (it > 0) { finish_dq_pair(it - 1); }
+            Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
+            Tensor tdQrKt_own = kt_slice(dq_slice);
+            gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_own, acc_dq_pair);
+            warpgroup_wait<0>();  // dV, dK and this block's part of dQ are done: dO and Q are free
             shared.do_ring.release_after_loads(do_state);  // D
             do_state.advance();
             shared.q_ring.release_after_loads(q_state);  // lse2
             q_state.advance();
-            warpgroup_wait<0>();  // dQ is done: the received dS^T is free
-            if (wg_tid == 0) { exchange.release_received(it); }
-            int64_t const dq_row = dq_accum_row(params, seq, cur.head) + row0;
-            add_dq<128>(params.dq_accum + dq_row * kHeadDim + dq_slice * Traits::kdQStagedFloats, acc_dq, wg_tid);
+            dq_pending = (dq_accum_row(params, seq, cur.head) + row0) * kHeadDim + dq_slice * Traits::kdQStagedFloats;
         } else {
             // dQ (or its first slice) before dK: its staging below then runs under the dK GEMM.
             auto acc_dq = [&] {
@@ -672,6 +698,13 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         query_loop(cute::false_type{});
     }
     if constexpr (kPair) {
+        if (iters > 0) {
+            exchange.wait_received(iters - 1);
+            Tensor tdQrdS_peer_last = tdQrdS_peer(_, _, _, (iters - 1) % 2);
+            gemm<false>(mma_dq_slice, tdQrdS_peer_last, tdQrKt_peer, acc_dq_pair);
+            warpgroup_wait<0>();
+            finish_dq_pair(iters - 1);
+        }
         if (ctid == 0) { exchange.drain(iters); }
     }
 }
