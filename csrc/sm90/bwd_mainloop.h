@@ -482,9 +482,9 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     int const iters = work.iterations(params);
 
     // kKeyPair: this warpgroup's dQ slice (K^T's tile dq_slice) of a step, over this block's keys and then the other
-    // block's. The second part runs in the next step, behind its S^T and dP^T, so that the other CTA's dS^T has that
-    // long to arrive (waiting for it at the end of its own step stalled the consumers: ncu, RESULTS.md session 63);
-    // dq_pending is where that step's dQ adds, in the workspace.
+    // block's; kDeferPeerDq: the second part in the next step (BwdTraits). dq_pending is where that step's dQ adds, in
+    // the workspace.
+    constexpr bool kDefer = Traits::kDeferPeerDq;
     int const dq_slice = rank * Traits::kdQRounds + wg;
     auto acc_dq_pair = [&] {
         if constexpr (kPair) {
@@ -494,6 +494,13 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         }
     }();
     int64_t dq_pending = 0;
+    auto issue_peer_dq = [&](int it) {
+        if constexpr (kPair) {
+            exchange.wait_received(it);
+            Tensor tdQrdS_peer_buf = tdQrdS_peer(_, _, _, it % 2);
+            gemm<false>(mma_dq_slice, tdQrdS_peer_buf, tdQrKt_peer, acc_dq_pair);
+        }
+    };
     // Once step it's dQ over the other block's keys is done: the received dS^T is free, and the slice adds.
     auto finish_dq_pair = [&](int it) {
         if constexpr (kPair) {
@@ -528,18 +535,16 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         shared.q_ring.wait(q_state);
         gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_state.index), acc_s);
         if constexpr (!kdPAfterP) { issue_dp(); }
-        if constexpr (kPair) {
+        if constexpr (kDefer) {
             if (it > 0) {
-                exchange.wait_received(it - 1);
-                Tensor tdQrdS_peer_prev = tdQrdS_peer(_, _, _, (it - 1) % 2);
-                gemm<false>(mma_dq_slice, tdQrdS_peer_prev, tdQrKt_peer, acc_dq_pair);
+                issue_peer_dq(it - 1);
             } else {
                 warpgroup_commit_batch();  // empty, so that the waits below count the same batches
             }
         }
-        // Batches behind S^T: dP^T, and (kPair) the previous step's dQ over the other block's keys.
+        // Batches behind S^T: dP^T, and (kDefer) the previous step's dQ over the other block's keys.
         static_assert(!kPair || !kdPAfterP);
-        constexpr int kBehindS = (kdPAfterP ? 0 : 1) + (kPair ? 1 : 0);
+        constexpr int kBehindS = (kdPAfterP ? 0 : 1) + (kDefer ? 1 : 0);
 
         auto s_rc = rowcol_view(acc_s);    // (key, query)
         auto dp_rc = rowcol_view(acc_dp);
@@ -591,7 +596,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         } else {
             gemm<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, do_state.index), acc_dv);
         }
-        warpgroup_wait<kPair ? 2 : 1>();  // dP^T is done (kPair: the previous step's dQ part and dV are not)
+        warpgroup_wait<kDefer ? 2 : 1>();  // dP^T is done (kDefer: the previous step's dQ part and dV are not)
 
         // With dP^T issued after P, S^T's fp32 registers are gone: dS takes P from its 16-bit copy, read by 32-bit
         // words (tdVrP is in the accumulators' storage order), so that the packed registers stay its only copy; read
@@ -618,20 +623,32 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         }
 
         if constexpr (kPair) {
-            warpgroup_wait<1>();  // the previous step's dQ is done (dV is not)
             Tensor tdKsdS = tdKVsPdS(_, _, _, buf);
-            gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
-            // Its additions read the registers that this step's dQ then overwrites: issued under dK.
-            if (it > 0) { finish_dq_pair(it - 1); }
             Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
             Tensor tdQrKt_own = kt_slice(dq_slice);
-            gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_own, acc_dq_pair);
-            warpgroup_wait<0>();  // dV, dK and this block's part of dQ are done: dO and Q are free
+            if constexpr (kDefer) {
+                warpgroup_wait<1>();  // the previous step's dQ is done (dV is not)
+                gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+                // Its additions read the registers that this step's dQ then overwrites: issued under dK.
+                if (it > 0) { finish_dq_pair(it - 1); }
+                gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_own, acc_dq_pair);
+                warpgroup_wait<0>();  // dV, dK and this block's part of dQ are done: dO and Q are free
+            } else {
+                // The own part and dK run while the other block's dS^T travels.
+                gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_own, acc_dq_pair);
+                gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+                issue_peer_dq(it);
+                warpgroup_wait<1>();  // dV and dK are done: dO and Q are free
+            }
             shared.do_ring.release_after_loads(do_state);  // D
             do_state.advance();
             shared.q_ring.release_after_loads(q_state);  // lse2
             q_state.advance();
             dq_pending = (dq_accum_row(params, seq, cur.head) + row0) * kHeadDim + dq_slice * Traits::kdQStagedFloats;
+            if constexpr (!kDefer) {
+                warpgroup_wait<0>();
+                finish_dq_pair(it);
+            }
         } else {
             // dQ (or its first slice) before dK: its staging below then runs under the dK GEMM.
             auto acc_dq = [&] {
@@ -698,10 +715,8 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         query_loop(cute::false_type{});
     }
     if constexpr (kPair) {
-        if (iters > 0) {
-            exchange.wait_received(iters - 1);
-            Tensor tdQrdS_peer_last = tdQrdS_peer(_, _, _, (iters - 1) % 2);
-            gemm<false>(mma_dq_slice, tdQrdS_peer_last, tdQrKt_peer, acc_dq_pair);
+        if (kDefer && iters > 0) {
+            issue_peer_dq(iters - 1);
             warpgroup_wait<0>();
             finish_dq_pair(iters - 1);
         }
