@@ -265,8 +265,8 @@ struct DsExchange {
     __device__ __forceinline__ void expect(int it) const {
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.peer_ds_full[it % 2], Traits::kdSBytes);
     }
-    // One consumer thread, before the consumers' barrier that precedes their dS^T stores of step it: the copy of
-    // step it - 2 has been read out of the buffer.
+    // Every consumer thread, before its dS^T stores of step it: the copy of step it - 2 has been read out of the
+    // buffer.
     __device__ __forceinline__ void wait_sent(int it) const {
         if (it >= 2) { cutlass::arch::ClusterBarrier::wait(&shared.peer_ds_empty[it % 2], ((it - 2) / 2) & 1); }
     }
@@ -482,8 +482,8 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     int const iters = work.iterations(params);
 
     // kKeyPair: this warpgroup's dQ slice (K^T's tile dq_slice) of a step, over this block's keys and then the other
-    // block's; kDeferPeerDq: the second part in the next step (BwdTraits). dq_pending is where that step's dQ adds, in
-    // the workspace.
+    // block's; kDeferPeerDq: both in the next step (BwdTraits). dq_pending is where that step's dQ adds, in the
+    // workspace.
     constexpr bool kDefer = Traits::kDeferPeerDq;
     int const dq_slice = rank * Traits::kdQRounds + wg;
     auto acc_dq_pair = [&] {
@@ -499,6 +499,14 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
             exchange.wait_received(it);
             Tensor tdQrdS_peer_buf = tdQrdS_peer(_, _, _, it % 2);
             gemm<false>(mma_dq_slice, tdQrdS_peer_buf, tdQrKt_peer, acc_dq_pair);
+        }
+    };
+    auto issue_dq_pair = [&](int it) {
+        if constexpr (kPair) {
+            Tensor tdQrdS_own = tdQrdS_slice(_, _, _, it % 2);
+            Tensor tdQrKt_own = kt_slice(dq_slice);
+            gemm<true>(mma_dq_slice, tdQrdS_own, tdQrKt_own, acc_dq_pair);
+            issue_peer_dq(it);
         }
     };
     // Once step it's dQ over the other block's keys is done: the received dS^T is free, and the slice adds.
@@ -537,14 +545,16 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         if constexpr (!kdPAfterP) { issue_dp(); }
         if constexpr (kDefer) {
             if (it > 0) {
-                issue_peer_dq(it - 1);
+                issue_dq_pair(it - 1);
             } else {
-                warpgroup_commit_batch();  // empty, so that the waits below count the same batches
+                // Empty, so that the waits below count the same batches.
+                warpgroup_commit_batch();
+                warpgroup_commit_batch();
             }
         }
-        // Batches behind S^T: dP^T, and (kDefer) the previous step's dQ over the other block's keys.
+        // Batches behind S^T: dP^T, and (kDefer) the previous step's dQ over this block's keys and the other's.
         static_assert(!kPair || !kdPAfterP);
-        constexpr int kBehindS = (kdPAfterP ? 0 : 1) + (kDefer ? 1 : 0);
+        constexpr int kBehindS = (kdPAfterP ? 0 : 1) + (kDefer ? 2 : 0);
 
         auto s_rc = rowcol_view(acc_s);    // (key, query)
         auto dp_rc = rowcol_view(acc_dp);
@@ -581,22 +591,17 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         Tensor tdVrP = make_tensor<Element>(acc_as_a_operand(AccSLayout{}));
         convert_fragment_into(acc_s, tdVrP);
         if constexpr (kdPAfterP) { issue_dp(); }
-        // dV needs only P: it runs behind dP^T, under dS's math.
         if constexpr (kSplitHeadDim) {
-            // P^T to shared memory, where dV of each warpgroup's head-dim half reads both warpgroups' queries.
+            // P^T to shared memory, where dV of each warpgroup's head-dim half reads both warpgroups' queries: it meets
+            // dS^T there, behind one consumer barrier a step.
             copy(copy_ds, thr_copy_ds.retile_S(make_tensor(tdVrP.data(), AccSLayout{})),
                  tdSsdS(_, _, _, Traits::kPBuffer + buf));
-            cutlass::arch::fence_view_async_shared();
-            if constexpr (kPair) {
-                if (ctid == 0) { exchange.wait_sent(it); }  // dS^T's buffer is rewritten below
-            }
-            sync_consumers<kConsumerThreads>();
-            Tensor tdVsP = tdKVsPdS(_, _, _, Traits::kPBuffer + buf);
-            gemm<false>(mma_dkv, tdVsP, tdVrdOt(_, _, _, do_state.index), acc_dv);
         } else {
+            // dV needs only P: it runs behind dP^T, under dS's math.
             gemm<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, do_state.index), acc_dv);
         }
-        warpgroup_wait<kDefer ? 2 : 1>();  // dP^T is done (kDefer: the previous step's dQ part and dV are not)
+        // dP^T is done (kDefer: the previous step's dQ is not).
+        warpgroup_wait<kSplitHeadDim ? (kDefer ? 2 : 0) : 1>();
 
         // With dP^T issued after P, S^T's fp32 registers are gone: dS takes P from its 16-bit copy, read by 32-bit
         // words (tdVrP is in the accumulators' storage order), so that the packed registers stay its only copy; read
@@ -615,26 +620,32 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         // dS in accumulator order: the registers of the dK GEMM's A operand, and stmatrix's source.
         Tensor r_ds = make_tensor<Element>(AccSLayout{});
         convert_fragment_into(acc_dp, r_ds);
+        if constexpr (kPair) { exchange.wait_sent(it); }  // dS^T's buffer is the copy's source two steps back
         copy(copy_ds, thr_copy_ds.retile_S(r_ds), tdSsdS(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();
-        sync_consumers<kConsumerThreads>();  // both warpgroups' dS are in shared memory
+        sync_consumers<kConsumerThreads>();  // both warpgroups' dS (kSplitHeadDim: and P^T) are in shared memory
         if constexpr (kPair) {
             if (ctid == 0) { exchange.send(it); }
+        }
+        if constexpr (kSplitHeadDim) {
+            Tensor tdVsP = tdKVsPdS(_, _, _, Traits::kPBuffer + buf);
+            gemm<false>(mma_dkv, tdVsP, tdVrdOt(_, _, _, do_state.index), acc_dv);
         }
 
         if constexpr (kPair) {
             Tensor tdKsdS = tdKVsPdS(_, _, _, buf);
-            Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
-            Tensor tdQrKt_own = kt_slice(dq_slice);
             if constexpr (kDefer) {
-                warpgroup_wait<1>();  // the previous step's dQ is done (dV is not)
                 gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
-                // Its additions read the registers that this step's dQ then overwrites: issued under dK.
+                // The additions, under dK: their reductions then have until the next step's dQ, which overwrites
+                // their source registers, to read them (ncu: the wgmma issued right behind them waited 14% of the
+                // pair kernel's stall samples, RESULTS.md session 64).
+                warpgroup_wait<2>();  // the previous step's dQ is done (dV and dK are not)
                 if (it > 0) { finish_dq_pair(it - 1); }
-                gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_own, acc_dq_pair);
-                warpgroup_wait<0>();  // dV, dK and this block's part of dQ are done: dO and Q are free
+                warpgroup_wait<0>();  // dV and dK are done: dO and Q are free
             } else {
                 // The own part and dK run while the other block's dS^T travels.
+                Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
+                Tensor tdQrKt_own = kt_slice(dq_slice);
                 gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_own, acc_dq_pair);
                 gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
                 issue_peer_dq(it);
@@ -716,7 +727,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     }
     if constexpr (kPair) {
         if (kDefer && iters > 0) {
-            issue_peer_dq(iters - 1);
+            issue_dq_pair(iters - 1);
             warpgroup_wait<0>();
             finish_dq_pair(iters - 1);
         }
