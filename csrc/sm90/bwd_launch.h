@@ -216,8 +216,7 @@ cudaError_t run_bwd(BwdParams const& params, LaunchHints const& hints, void* wor
         // Key pairs add dQ from registers in no fixed order: the deterministic mode keeps the lone key block.
         if (!params.deterministic) {
             constexpr BwdTile kPairTile{.block_m = 64, .block_n = 64, .q_stages = 2,
-                                        .do_stages = kBwdTile<kHeadDim, false>.do_stages, .key_pair = true,
-                                        .defer_peer_dq = kHeadDim == 192};
+                                        .do_stages = kBwdTile<kHeadDim, false>.do_stages, .key_pair = true};
             return launch_bwd<BwdTraits<kHeadDim, kPairTile, Element>>(bound, hints, tail, stream);
         }
     }

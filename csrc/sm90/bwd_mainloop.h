@@ -482,9 +482,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
     int const iters = work.iterations(params);
 
     // kKeyPair: this warpgroup's dQ slice (K^T's tile dq_slice) of a step, over this block's keys and then the other
-    // block's; kDeferPeerDq: both in the next step (BwdTraits). dq_pending is where that step's dQ adds, in the
-    // workspace.
-    constexpr bool kDefer = Traits::kDeferPeerDq;
+    // block's, both in the next step (BwdTraits). dq_pending is where that step's dQ adds, in the workspace.
     int const dq_slice = rank * Traits::kdQRounds + wg;
     auto acc_dq_pair = [&] {
         if constexpr (kPair) {
@@ -494,19 +492,14 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         }
     }();
     int64_t dq_pending = 0;
-    auto issue_peer_dq = [&](int it) {
-        if constexpr (kPair) {
-            exchange.wait_received(it);
-            Tensor tdQrdS_peer_buf = tdQrdS_peer(_, _, _, it % 2);
-            gemm<false>(mma_dq_slice, tdQrdS_peer_buf, tdQrKt_peer, acc_dq_pair);
-        }
-    };
     auto issue_dq_pair = [&](int it) {
         if constexpr (kPair) {
             Tensor tdQrdS_own = tdQrdS_slice(_, _, _, it % 2);
             Tensor tdQrKt_own = kt_slice(dq_slice);
             gemm<true>(mma_dq_slice, tdQrdS_own, tdQrKt_own, acc_dq_pair);
-            issue_peer_dq(it);
+            exchange.wait_received(it);
+            Tensor tdQrdS_peer_buf = tdQrdS_peer(_, _, _, it % 2);
+            gemm<false>(mma_dq_slice, tdQrdS_peer_buf, tdQrKt_peer, acc_dq_pair);
         }
     };
     // Once step it's dQ over the other block's keys is done: the received dS^T is free, and the slice adds.
@@ -543,7 +536,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         shared.q_ring.wait(q_state);
         gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_state.index), acc_s);
         if constexpr (!kdPAfterP) { issue_dp(); }
-        if constexpr (kDefer) {
+        if constexpr (kPair) {
             if (it > 0) {
                 issue_dq_pair(it - 1);
             } else {
@@ -552,9 +545,9 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
                 warpgroup_commit_batch();
             }
         }
-        // Batches behind S^T: dP^T, and (kDefer) the previous step's dQ over this block's keys and the other's.
+        // Batches behind S^T: dP^T, and (kPair) the previous step's dQ over this block's keys and the other's.
         static_assert(!kPair || !kdPAfterP);
-        constexpr int kBehindS = (kdPAfterP ? 0 : 1) + (kDefer ? 2 : 0);
+        constexpr int kBehindS = (kdPAfterP ? 0 : 1) + (kPair ? 2 : 0);
 
         auto s_rc = rowcol_view(acc_s);    // (key, query)
         auto dp_rc = rowcol_view(acc_dp);
@@ -600,8 +593,8 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
             // dV needs only P: it runs behind dP^T, under dS's math.
             gemm<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, do_state.index), acc_dv);
         }
-        // dP^T is done (kDefer: the previous step's dQ is not).
-        warpgroup_wait<kSplitHeadDim ? (kDefer ? 2 : 0) : 1>();
+        // dP^T is done (kPair: the previous step's dQ is not).
+        warpgroup_wait<kSplitHeadDim ? (kPair ? 2 : 0) : 1>();
 
         // With dP^T issued after P, S^T's fp32 registers are gone: dS takes P from its 16-bit copy, read by 32-bit
         // words (tdVrP is in the accumulators' storage order), so that the packed registers stay its only copy; read
@@ -634,32 +627,18 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
 
         if constexpr (kPair) {
             Tensor tdKsdS = tdKVsPdS(_, _, _, buf);
-            if constexpr (kDefer) {
-                gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
-                // The additions, under dK: their reductions then have until the next step's dQ, which overwrites
-                // their source registers, to read them (ncu: the wgmma issued right behind them waited 14% of the
-                // pair kernel's stall samples, RESULTS.md session 64).
-                warpgroup_wait<2>();  // the previous step's dQ is done (dV and dK are not)
-                if (it > 0) { finish_dq_pair(it - 1); }
-                warpgroup_wait<0>();  // dV and dK are done: dO and Q are free
-            } else {
-                // The own part and dK run while the other block's dS^T travels.
-                Tensor tdQrdS_buf = tdQrdS_slice(_, _, _, buf);
-                Tensor tdQrKt_own = kt_slice(dq_slice);
-                gemm<true>(mma_dq_slice, tdQrdS_buf, tdQrKt_own, acc_dq_pair);
-                gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
-                issue_peer_dq(it);
-                warpgroup_wait<1>();  // dV and dK are done: dO and Q are free
-            }
+            gemm<false>(mma_dkv, tdKsdS, tdKrQt(_, _, _, q_state.index), acc_dk);
+            // The additions, under dK: their reductions then have until the next step's dQ, which overwrites their
+            // source registers, to read them (ncu: the wgmma issued right behind them waited 14% of the pair kernel's
+            // stall samples, RESULTS.md session 64).
+            warpgroup_wait<2>();  // the previous step's dQ is done (dV and dK are not)
+            if (it > 0) { finish_dq_pair(it - 1); }
+            warpgroup_wait<0>();  // dV and dK are done: dO and Q are free
             shared.do_ring.release_after_loads(do_state);  // D
             do_state.advance();
             shared.q_ring.release_after_loads(q_state);  // lse2
             q_state.advance();
             dq_pending = (dq_accum_row(params, seq, cur.head) + row0) * kHeadDim + dq_slice * Traits::kdQStagedFloats;
-            if constexpr (!kDefer) {
-                warpgroup_wait<0>();
-                finish_dq_pair(it);
-            }
         } else {
             // dQ (or its first slice) before dK: its staging below then runs under the dK GEMM.
             auto acc_dq = [&] {
@@ -726,7 +705,7 @@ __device__ __forceinline__ void consume_bwd(BwdParams const& params, typename Tr
         query_loop(cute::false_type{});
     }
     if constexpr (kPair) {
-        if (kDefer && iters > 0) {
+        if (iters > 0) {
             issue_dq_pair(iters - 1);
             warpgroup_wait<0>();
             finish_dq_pair(iters - 1);

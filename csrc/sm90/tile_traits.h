@@ -166,13 +166,11 @@ struct FwdTraits {
 
 // A backward tile: block_n keys (64 per consumer warpgroup, or 64 shared by both: BwdTraits::kSplitHeadDim) kept in
 // shared memory for the whole CTA, query blocks of block_m rows streamed through rings of q_stages (Q, lse) and
-// do_stages (dO, D) buffers. key_pair: a cluster of two CTAs on adjacent key blocks (BwdTraits::kKeyPair), and
-// defer_peer_dq (key pairs) when each step's dQ over the other block's keys waits for the next step (kDeferPeerDq).
+// do_stages (dO, D) buffers. key_pair: a cluster of two CTAs on adjacent key blocks (BwdTraits::kKeyPair).
 // kv_stages 2: a persistent CTA, whose next tile's K and V land in the second buffer while it works on the first.
 struct BwdTile {
     int block_m, block_n, q_stages, do_stages;
     bool key_pair = false;
-    bool defer_peer_dq = false;
     int kv_stages = 1;
 };
 
@@ -200,14 +198,10 @@ struct BwdTraits {
     // query blocks. Each sends its dS^T to the other, and adds one half of dQ's head dim over both blocks' keys (its
     // own K's half and the other's, loaded once): half the dQ bytes per FLOP that a lone 64-key block adds, which
     // bound the d 256 kernel (see RESULTS.md). dQ goes from registers into the workspace, which leaves the staging
-    // buffer's shared memory to the other block's K half and dS^T.
+    // buffer's shared memory to the other block's K half and dS^T. A step's dQ slice runs in the next step, behind its S^T
+    // and dP^T, so that the other CTA's dS^T has that long to arrive (H200: d 192 +4-5%, RESULTS.md sessions 64-65).
     static constexpr bool kKeyPair = kTile.key_pair;
     static_assert(!kKeyPair || kSplitHeadDim);
-    // kDeferPeerDq: a step's dQ slice over the other block's keys runs in the next step, behind its S^T and dP^T, so
-    // that the other CTA's dS^T has that long to arrive; its accumulator then stays live across the whole step. At
-    // d 192 (24 registers) +4-5%, at d 256 (32 registers) -1-3% (H200, RESULTS.md session 64).
-    static constexpr bool kDeferPeerDq = kTile.defer_peer_dq;
-    static_assert(!kDeferPeerDq || kKeyPair);
     // kKVStages 2: the CTA loops over tiles (launch_bwd's persistent grid); tile t uses K/V buffer t % 2, and the store
     // warp stores its dK and dV out of that buffer while the consumers start tile t + 1.
     static constexpr int kKVStages = kTile.kv_stages;
@@ -217,7 +211,7 @@ struct BwdTraits {
     using OneTile = BwdTraits<kHeadDim_,
                               BwdTile{.block_m = kTile.block_m, .block_n = kTile.block_n, .q_stages = kTile.q_stages,
                                       .do_stages = kTile.do_stages, .key_pair = kTile.key_pair,
-                                      .defer_peer_dq = kTile.defer_peer_dq, .kv_stages = 1},
+                                      .kv_stages = 1},
                               Element_>;
     static constexpr int kConsumerWarpGroups = kSplitHeadDim ? 2 : kBlockN / 64;
     static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
