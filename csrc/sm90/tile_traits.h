@@ -198,8 +198,9 @@ struct BwdTraits {
     // query blocks. Each sends its dS^T to the other, and adds one half of dQ's head dim over both blocks' keys (its
     // own K's half and the other's, loaded once): half the dQ bytes per FLOP that a lone 64-key block adds, which
     // bound the d 256 kernel (see RESULTS.md). dQ goes from registers into the workspace, which leaves the staging
-    // buffer's shared memory to the other block's K half and dS^T. A step's dQ slice runs in the next step, behind its S^T
-    // and dP^T, so that the other CTA's dS^T has that long to arrive (H200: d 192 +4-5%, RESULTS.md sessions 64-65).
+    // buffer's shared memory to the other block's K half and dS^T. A step's dQ slice runs in the next step, behind its
+    // S^T and dP^T, so that the other CTA's dS^T has that long to arrive (H200: d 192 +4-5%, d 256 +1-4%, RESULTS.md
+    // sessions 64-65).
     static constexpr bool kKeyPair = kTile.key_pair;
     static_assert(!kKeyPair || kSplitHeadDim);
     // kKVStages 2: the CTA loops over tiles (launch_bwd's persistent grid); tile t uses K/V buffer t % 2, and the store
@@ -210,8 +211,7 @@ struct BwdTraits {
     // The same tile with one K/V buffer, for the calls that launch_bwd gives one CTA per tile.
     using OneTile = BwdTraits<kHeadDim_,
                               BwdTile{.block_m = kTile.block_m, .block_n = kTile.block_n, .q_stages = kTile.q_stages,
-                                      .do_stages = kTile.do_stages, .key_pair = kTile.key_pair,
-                                      .kv_stages = 1},
+                                      .do_stages = kTile.do_stages, .key_pair = kTile.key_pair, .kv_stages = 1},
                               Element_>;
     static constexpr int kConsumerWarpGroups = kSplitHeadDim ? 2 : kBlockN / 64;
     static constexpr int kConsumerThreads = kConsumerWarpGroups * 128;
