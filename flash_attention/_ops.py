@@ -172,13 +172,13 @@ SPLIT_TIER = "sm80"
 _split_routes = {}
 
 
-def _split_route(q: torch.Tensor, fwd_tier: str):
-    key = (_dispatch.device_index(q.device), q.shape[-1], q.dtype, fwd_tier)
+def _split_route(device: torch.device, head_dim: int, dtype: torch.dtype, fwd_tier: str):
+    key = (_dispatch.device_index(device), head_dim, dtype, fwd_tier)
     route = _split_routes.get(key, False)
     if route is False:
         try:
-            tier_id, kernel_dim = _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, fwd_tier)
-            route = (tier_id, kernel_dim) + _dispatch.resolve(q.device, "combine", q.shape[-1], q.dtype, SPLIT_TIER)
+            tier_id, kernel_dim = _dispatch.resolve(device, "fwd", head_dim, dtype, fwd_tier)
+            route = (tier_id, kernel_dim) + _dispatch.resolve(device, "combine", head_dim, dtype, SPLIT_TIER)
         except RuntimeError:
             route = None
         _split_routes[key] = route
@@ -204,19 +204,24 @@ def decode_route(q: torch.Tensor, tier: Optional[str]) -> Optional[DecodeRoute]:
     """fwd_split's kernels for q on SPLIT_TIER: None unless q is a CUDA tensor, no tier override other than SPLIT_TIER
     is in force, and the build holds that tier's forward and combine kernels for q's head dim and dtype (at the same
     kernel head dim)."""
-    override = _dispatch.requested_tier(tier)
-    key = (q.get_device(), q.shape[-1], q.dtype, override)
+    key = (q.get_device(), q.shape[-1], q.dtype, _dispatch.requested_tier(tier))
     route = _decode_routes.get(key, False)
     if route is False:
-        route = None
-        if q.is_cuda and override in (None, SPLIT_TIER):
-            found = _split_route(q, SPLIT_TIER)
-            if found is not None and found[:2] == found[2:]:
-                index = q.get_device()
-                route = DecodeRoute(*found[:3], sm_count(q.device), _smem_per_block_of(index),
-                                    _lone_decode_cta_of(index))
-        _decode_routes[key] = route
+        route = _decode_routes[key] = _find_decode_route(*key)
     return route
+
+
+@torch.compiler.assume_constant_result
+def _find_decode_route(index: int, head_dim: int, dtype: torch.dtype,
+                       override: Optional[str]) -> Optional[DecodeRoute]:
+    """decode_route's answer for its key (index -1: not a CUDA tensor). torch.compile takes it as a constant: it
+    cannot trace the extension's kernel list, and a step compiled before any eager call would fail otherwise."""
+    if index < 0 or override not in (None, SPLIT_TIER):
+        return None
+    found = _split_route(torch.device("cuda", index), head_dim, dtype, SPLIT_TIER)
+    if found is None or found[:2] != found[2:]:
+        return None
+    return DecodeRoute(*found[:3], _sm_count_of(index), _smem_per_block_of(index), _lone_decode_cta_of(index))
 
 
 def split_tier_is_default(q: torch.Tensor, tier: Optional[str]) -> bool:
@@ -388,7 +393,7 @@ def split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale
                        num_splits, packed_heads, tier):
     ext = _dispatch.load_extension()
     fwd_tier = split_forward_tier(q, k, block_table, leftpad_k, packed_heads, tier)
-    route = _split_route(q, fwd_tier)
+    route = _split_route(q.device, q.shape[-1], q.dtype, fwd_tier)
     if route is None:  # raises the build's error
         _dispatch.resolve(q.device, "fwd", q.shape[-1], q.dtype, fwd_tier)
         _dispatch.resolve(q.device, "combine", q.shape[-1], q.dtype, SPLIT_TIER)

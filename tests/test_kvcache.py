@@ -634,9 +634,12 @@ def test_decode_load_schedules_agree_cuda(d, page_size):
 @pytest.mark.cuda
 def test_decode_compiled_matches_eager_cuda():
     """A GQA decode step of flash_attn_func under torch.compile(fullgraph=True) (the traced fwd_split op, whose
-    kernel packs the rows, its output laid out as the fake says) gives eager's bits."""
-    from flash_attention import flash_attn_func
+    kernel packs the rows, its output laid out as the fake says) gives eager's bits. Compiled before any eager call
+    finds the route: the tracer must not reach into the extension's kernel list."""
+    from flash_attention import _dispatch, _ops, flash_attn_func
     require_kernel(64, bf16)
+    for cache in (_ops._decode_routes, _ops._split_routes, _dispatch._resolved):
+        cache.clear()
     q = torch.randn(2, 1, 8, 64, dtype=bf16, device="cuda")
     k, v = (torch.randn(2, 500, 2, 64, dtype=bf16, device="cuda") for _ in range(2))
 
