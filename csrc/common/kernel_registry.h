@@ -40,7 +40,8 @@ struct LaunchHints {
 };
 
 // Scratch memory a kernel needs beside its operands, in one allocation (uninitialised: a kernel that needs zeros
-// writes them itself, so that a call launches no memset of its own).
+// writes them itself, so that a call launches no memset of its own; the one exception is the SM90 forward's tile
+// counter, which no earlier kernel of the call could zero).
 struct Workspace {
     size_t bytes = 0;
 };

@@ -45,6 +45,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         cutlass::arch::ClusterTransactionBarrier::init(&shared.q_full, 1);
         cutlass::arch::ClusterBarrier::init(&shared.q_empty, Traits::kConsumerThreads / 32);
         cutlass::arch::ClusterBarrier::init(&shared.o_free, Traits::kConsumerWarpGroups);
+        cutlass::arch::ClusterBarrier::init(&shared.tile_full, 1);
+        cutlass::arch::ClusterBarrier::init(&shared.tile_empty, Traits::kConsumerThreads / 32);
         // Rows copied by the producer warpgroup complete a stage with one arrival per thread, TMA with one.
         int const producer_arrivals = page_rows ? 128 : 1;
         shared.k_ring.init(Traits::kConsumerThreads / 32, producer_arrivals);
@@ -75,6 +77,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         return Tile{blk, seq, window, splits > 1 ? split_chunk(n_range, split, splits) : n_range, split};
     };
     PipelineState<Traits::kStages> state;
+    // CTA i takes tiles i, i + gridDim.x, ... or, with args.tile_counter (causal and local tiles, which differ in
+    // length), tile i and then whichever the counter hands out next: the producer takes each next index as it starts
+    // loading the current tile and passes it to the consumers through shared memory (tile_full / tile_empty).
+    // racecheck reports each consumer read and the producer's next write as a hazard: it does so for a minimal correct
+    // mbarrier hand-over too (benchmark/racecheck/), and reports nothing else in this kernel.
+    bool const dynamic = Traits::kTile.tile_counter && !kPaged && args.tile_counter != nullptr;
 
     if (tid < 128) {
         cutlass::arch::warpgroup_reg_dealloc<kPaged ? Traits::kPagedProducerRegisters : Traits::kProducerRegisters>();
@@ -91,11 +99,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         if (tid < 32) {
             bool const leader = cute::elect_one_sync();
-            for (int idx = blockIdx.x; idx < args.num_tiles; idx += gridDim.x) {
+            uint32_t phase = 0;
+            auto hand_over = [&](int idx) {
+                if (dynamic && leader) {
+                    cutlass::arch::ClusterBarrier::wait(&shared.tile_empty, phase ^ 1);
+                    shared.next_tile = idx;
+                    cutlass::arch::ClusterBarrier::arrive(&shared.tile_full);
+                }
+                phase ^= 1;
+            };
+            hand_over(blockIdx.x);
+            for (int idx = blockIdx.x; idx < args.num_tiles;) {
+                int next = idx + gridDim.x;
+                if (dynamic) {
+                    if (tid == 0) { next = int(gridDim.x) + atomicAdd(args.tile_counter, 1); }
+                    next = __shfl_sync(0xffffffffu, next, 0);
+                }
                 Tile const t = tile_at(idx);
                 if (leader && t.blk.valid && !t.n_range.empty()) {
                     load<Traits, kPaged>(args, shared, t.seq, t.blk, t.n_range, state);
                 }
+                hand_over(next);
+                idx = next;
             }
         }
         return;
@@ -106,7 +131,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     GemmTurns<Traits::kConsumerWarpGroups, Traits::kPingPong> const turns{ctid / 128};
     turns.init();
     typename Traits::TiledMmaO mma_o;
-    for (int idx = blockIdx.x; idx < args.num_tiles; idx += gridDim.x) {
+    uint32_t tile_phase = 0;
+    auto tile_after = [&](int idx) {  // the CTA's next tile, after idx
+        if (!dynamic) { return idx + int(gridDim.x); }
+        cutlass::arch::ClusterBarrier::wait(&shared.tile_full, tile_phase);
+        tile_phase ^= 1;
+        int const next = shared.next_tile;
+        __syncwarp();
+        if (cute::elect_one_sync()) { cutlass::arch::ClusterBarrier::arrive(&shared.tile_empty); }
+        return next;
+    };
+    for (int idx = tile_after(int(blockIdx.x) - int(gridDim.x)); idx < args.num_tiles; idx = tile_after(idx)) {
         Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         clear(acc_o);
         auto acc_o_rc = rowcol_view(acc_o);

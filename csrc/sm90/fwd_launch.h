@@ -16,8 +16,21 @@
 
 namespace flash::sm90 {
 
+// Whether a call's tiles (num_tiles of them) take a persistent grid fed by a tile counter: causal and local tiles
+// differ in length, so a static assignment balances badly (H100, d 128, causal 2k: 410 against 430 TFLOPS with one
+// CTA per tile); taken from a counter, each SM's next tile is the next one in the order, as with one CTA per tile, and
+// the producer loads it under the current tile's end (H200, causal 2k: +5 to +9% over one CTA per tile at d 64 to
+// 192, equal at 8k; RESULTS.md session 67). Only where the tile has it (FwdTile::tile_counter), and not for paged
+// caches and split-KV partials (decode shapes).
+inline bool fwd_takes_tile_counter(FwdTile const& tile, FwdParams const& params, LaunchHints const& hints,
+                                   int64_t num_tiles) {
+    bool const masked = params.window_left >= 0 || params.window_right >= 0;
+    return tile.tile_counter && masked && params.block_table == nullptr && params.o_partial == nullptr &&
+           hints.num_sms > 0 && num_tiles > hints.num_sms;
+}
+
 template <class Traits, bool kPaged = false>
-cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaStream_t stream) {
+cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
     using Element = typename Traits::Element;
     int const entries = tensor_batches(params);
     auto gmem = [&](void const* ptr, int rows, int heads, int64_t row_stride, int64_t head_stride,
@@ -87,20 +100,29 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
     if (cudaError_t err = allow_smem<&fwd_kernel<Traits, kPaged>>(kSmem, hints.device); err != cudaSuccess) {
         return err;
     }
-    // Unmasked tiles all cost the same: a persistent grid of one CTA per SM (the shared memory allows no second)
-    // overlaps each tile's epilogue and its successor's first loads. Causal and local tiles differ in length: one
-    // CTA per tile lets the hardware hand the next tile to whichever SM frees first, which balances better than a
-    // static assignment (H100, d 128, causal: 430 vs 410 TFLOPS at 2k).
-    // Their tiles go longest first across L2-sized sections of (batch, head) pairs, so that the last tiles to start
+    // A persistent grid of one CTA per SM (the shared memory allows no second) overlaps each tile's epilogue and its
+    // successor's first loads. Unmasked tiles all cost the same: CTA i takes tiles i, i + grid, ... Causal and local
+    // tiles (fwd_takes_tile_counter) take them from a counter, else one CTA per tile.
+    // Masked tiles go longest first across L2-sized sections of (batch, head) pairs, so that the last tiles to start
     // are the shortest (FlashAttention-3's and -4's order).
     int grid = int(num_tiles);
     if (params.window_left < 0 && params.window_right < 0) {
         grid = std::min(grid, hints.num_sms);
-    } else if (params.cu_seqlens_q == nullptr) {
-        // K and V of one kv head, shared by params.h_per_hk consecutive query heads.
-        int64_t const kv_bytes = 2 * int64_t(params.sk) * params.d * int64_t(sizeof(Element));
-        args.section = section_of(int64_t(hints.l2_bytes) * params.h_per_hk / std::max<int64_t>(kv_bytes, 1),
-                                  int64_t(params.b) * params.h);
+    } else {
+        if (params.cu_seqlens_q == nullptr) {
+            // K and V of one kv head, shared by params.h_per_hk consecutive query heads.
+            int64_t const kv_bytes = 2 * int64_t(params.sk) * params.d * int64_t(sizeof(Element));
+            args.section = section_of(int64_t(hints.l2_bytes) * params.h_per_hk / std::max<int64_t>(kv_bytes, 1),
+                                      int64_t(params.b) * params.h);
+        }
+        if (!kPaged && fwd_takes_tile_counter(Traits::kTile, params, hints, num_tiles)) {
+            // The one memset of a forward call: no kernel runs before this one to zero the counter.
+            args.tile_counter = static_cast<int*>(workspace);
+            if (cudaError_t err = cudaMemsetAsync(workspace, 0, sizeof(int), stream); err != cudaSuccess) {
+                return err;
+            }
+            grid = hints.num_sms;
+        }
     }
     if (grid == 0) { return cudaSuccess; }
     fwd_kernel<Traits, kPaged><<<dim3(unsigned(grid)), Traits::kNThreads, kSmem, stream>>>(args);
@@ -112,31 +134,44 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, cudaSt
 // (H200, 2026-11-28: +6 to +10% over 128 x 128 tiles; 192 x 112, 132 B spilled, within 1% of it). d 128: two, key
 // blocks of 128 (176, as FlashAttention-3 uses for unmasked tiles, measured 3-8% slower here at 2k, equal at 8k, and
 // spills). d 192 and 256: two, the widest key block whose two K and V stages fit beside Q (216 and 224 KB; the output
-// stages in V's ring).
+// stages in V's ring). d 256 takes no tile counter: its consumers have no register to spare, and the counter's
+// hand-over spilled their loop (ptxas 88/112 B against 36/52), at causal 8k 3.5% slower, at 2k equal (H200).
+template <int kHeadDim>
+constexpr FwdTile kFwdTile =
+    kHeadDim == 256   ? FwdTile{.block_m = 128, .block_n = 80, .kv_stages = 2}
+    : kHeadDim == 192 ? FwdTile{.block_m = 128, .block_n = 112, .kv_stages = 2, .tile_counter = true}
+    : kHeadDim == 128 ? FwdTile{.block_m = 128, .block_n = 128, .kv_stages = 2, .tile_counter = true}
+    : kHeadDim == 96  ? FwdTile{.block_m = 192, .block_n = 96, .kv_stages = 2, .tile_counter = true}
+                      : FwdTile{.block_m = 192, .block_n = 128, .kv_stages = 2, .tile_counter = true};
+
+// The workspace: the tile counter of a persistent grid of causal or local tiles (launch_fwd).
+template <int kHeadDim>
+Workspace fwd_workspace(FwdParams const& params, LaunchHints const& hints) {
+    int64_t const num_tiles = tile_count(params.sq, params.b, kFwdTile<kHeadDim>.block_m,
+                                         params.cu_seqlens_q != nullptr) * params.h;
+    return {fwd_takes_tile_counter(kFwdTile<kHeadDim>, params, hints, num_tiles) ? sizeof(int) : 0};
+}
+
 // A paged cache's key block arrives whole from its page, or where the page size is no multiple of the block, as
 // boxes of kPageBoxRows rows or row by row (mainloop.h).
 template <int kHeadDim, typename Element>
-cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void*, cudaStream_t stream) {
-    constexpr FwdTile kTile = kHeadDim == 256   ? FwdTile{.block_m = 128, .block_n = 80, .kv_stages = 2}
-                              : kHeadDim == 192 ? FwdTile{.block_m = 128, .block_n = 112, .kv_stages = 2}
-                              : kHeadDim == 128 ? FwdTile{.block_m = 128, .block_n = 128, .kv_stages = 2}
-                              : kHeadDim == 96  ? FwdTile{.block_m = 192, .block_n = 96, .kv_stages = 2}
-                                                : FwdTile{.block_m = 192, .block_n = 128, .kv_stages = 2};
+cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
+    constexpr FwdTile kTile = kFwdTile<kHeadDim>;
     static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
                   "no SM90 forward tile for this head dim");
     using Traits = FwdTraits<kHeadDim, kTile, Element>;
-    if (params.block_table == nullptr) { return launch_fwd<Traits>(params, hints, stream); }
+    if (params.block_table == nullptr) { return launch_fwd<Traits>(params, hints, workspace, stream); }
     if constexpr (!reads_pages(kHeadDim)) {
         return cudaErrorNotSupported;  // unsupported_fwd gives these paged calls to the SM80 tier
     } else if constexpr (kTile.block_n % kPageBoxRows == 0) {
         // The dense kernel's two K / V stages: a third bought nothing once the producer warpgroup copies whole lines
         // (d 128, pages of 16, 64 and 128: equal or up to 3% slower with three; H100, RESULTS.md).
-        return launch_fwd<Traits, true>(params, hints, stream);
+        return launch_fwd<Traits, true>(params, hints, workspace, stream);
     } else {
         // d 192's and 256's key blocks (112, 80) would straddle pages: blocks of 64 (two stages fit beside Q).
         return launch_fwd<FwdTraits<kHeadDim, FwdTile{.block_m = kTile.block_m, .block_n = kPageBoxRows,
                                                       .kv_stages = kTile.kv_stages}, Element>, true>(
-            params, hints, stream);
+            params, hints, workspace, stream);
     }
 }
 
@@ -161,7 +196,7 @@ char const* unsupported_fwd(FwdParams const& params, LaunchHints const& hints) {
 template <int kHeadDim, typename Element, typename ElementOut>
 KernelDescriptor<FwdParams> fwd_descriptor() {
     static_assert(std::is_same_v<Element, ElementOut>, "the SM90 forward writes out in the input dtype");
-    return {&unsupported_fwd<kHeadDim>, &no_workspace<FwdParams>, &run_fwd<kHeadDim, Element>};
+    return {&unsupported_fwd<kHeadDim>, &fwd_workspace<kHeadDim>, &run_fwd<kHeadDim, Element>};
 }
 
 }  // namespace flash::sm90

@@ -48,6 +48,7 @@ struct FwdKernelParams {
     int num_tiles;  // a bound on the tiles of the grid (see tile_count)
     int section;    // (batch, head) pairs per L2 section of the tile order (see decode_tile)
     PageTmas<Traits, kPaged> pages;
+    int* tile_counter = nullptr;  // zeroed: tiles taken past the grid's own (persistent causal or local tiles)
 };
 
 // The position of a CTA's producer or consumers in the Q buffer and the K / V rings, kept across its tiles.

@@ -20,7 +20,8 @@ namespace flash::sm90 {
 using namespace cute;
 
 // A forward tile: block_m query rows (64 per consumer warpgroup), key blocks of block_n columns, K and V rings of
-// kv_stages blocks.
+// kv_stages blocks; tile_counter: a dense kernel whose causal and local calls may take their tiles from a tile counter
+// (fwd_takes_tile_counter), compiled out where false.
 // setmaxnreg moves registers within what the launch bound gave the CTA (65536 over its threads, in multiples of 8):
 // a consumer increase beyond it never returns. One producer warpgroup, `consumer_wgs` consumer warpgroups.
 constexpr bool register_split_fits(int threads, int producer_registers, int consumer_wgs, int consumer_registers) {
@@ -29,6 +30,7 @@ constexpr bool register_split_fits(int threads, int producer_registers, int cons
 
 struct FwdTile {
     int block_m, block_n, kv_stages;
+    bool tile_counter = false;
 };
 
 // The page sizes that the paged forward reads are multiples of this (the catalog's Kind.page_multiple): a paged
@@ -48,10 +50,11 @@ using SmemAtomFor = std::conditional_t<
     kSliceCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
     std::conditional_t<kSliceCols % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>>;
 
-template <int kHeadDim_, FwdTile kTile, typename Element_>
+template <int kHeadDim_, FwdTile kTile_, typename Element_>
 struct FwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr FwdTile kTile = kTile_;
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kStages = kTile.kv_stages;
@@ -149,6 +152,9 @@ struct FwdTraits {
         uint64_t q_full;
         uint64_t q_empty;
         uint64_t o_free;  // with kOAliasesV: the consumer warpgroups' output stores have read the buffer
+        uint64_t tile_full;   // with a tile counter: next_tile holds the consumers' next tile index
+        uint64_t tile_empty;  // every consumer warp has read it
+        int next_tile;
         TmaRing<kStages> k_ring;
         TmaRing<kStages> v_ring;
 
