@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // length), tile i and then whichever the counter hands out next: the producer takes each next index as it starts
     // loading the current tile and passes it to the consumers through shared memory (tile_full / tile_empty).
     // racecheck reports each consumer read and the producer's next write as a hazard: it does so for a minimal correct
-    // mbarrier hand-over too (benchmark/racecheck/), and reports nothing else in this kernel.
+    // mbarrier hand-over too (benchmark/racecheck/handover.cu), and reports nothing else in this kernel.
     bool const dynamic = Traits::kTile.tile_counter && !kPaged && args.tile_counter != nullptr;
 
     if (tid < 128) {
