@@ -14,6 +14,10 @@
 // from the racy one in the write-after-read direction.
 #include <cstdint>
 #include <cstdio>
+
+#ifndef MODE_SEL
+#define MODE_SEL 0
+#endif
 template <int kId> __device__ void bsync() { asm volatile("bar.sync %0, 288;" ::"n"(kId) : "memory"); }
 template <int kId> __device__ void barrive() { asm volatile("bar.arrive %0, 288;" ::"n"(kId) : "memory"); }
 template <int MODE>
