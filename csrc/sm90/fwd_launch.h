@@ -16,17 +16,22 @@
 
 namespace flash::sm90 {
 
-// Whether a call's tiles (num_tiles of them) take a persistent grid fed by a tile counter: causal and local tiles
-// differ in length, so a static assignment balances badly (H100, d 128, causal 2k: 410 against 430 TFLOPS with one
-// CTA per tile); taken from a counter, each SM's next tile is the next one in the order, as with one CTA per tile, and
-// the producer loads it under the current tile's end (H200, causal 2k: +5 to +9% over one CTA per tile at d 64 to
-// 192, equal at 8k; RESULTS.md session 67). Only where the tile has it (FwdTile::tile_counter), and not for paged
-// caches and split-KV partials (decode shapes).
-inline bool fwd_takes_tile_counter(FwdTile const& tile, FwdParams const& params, LaunchHints const& hints,
-                                   int64_t num_tiles) {
+// A forward call's query tiles of block_m rows (times its splits, for split-KV partials).
+inline int64_t fwd_tile_count(FwdParams const& params, int block_m) {
+    return tile_count(params.sq, params.b, block_m, params.cu_seqlens_q != nullptr) * params.h *
+           (params.o_partial != nullptr ? params.num_splits : 1);
+}
+
+// Whether a call's tiles take a persistent grid fed by a tile counter: causal and local tiles differ in length, so a
+// static assignment balances badly (H100, d 128, causal 2k: 410 against 430 TFLOPS with one CTA per tile); taken from
+// a counter, each SM's next tile is the next one in the order, as with one CTA per tile, and the producer loads it
+// under the current tile's end (H200, causal 2k: +5 to +9% over one CTA per tile at d 64 to 192, equal at 8k;
+// RESULTS.md session 67). Only where the tile has it (FwdTile::tile_counter), with more tiles than SMs, and not for
+// paged caches and split-KV partials (decode shapes).
+inline bool fwd_takes_tile_counter(FwdTile const& tile, FwdParams const& params, LaunchHints const& hints) {
     bool const masked = params.window_left >= 0 || params.window_right >= 0;
     return tile.tile_counter && masked && params.block_table == nullptr && params.o_partial == nullptr &&
-           hints.num_sms > 0 && num_tiles > hints.num_sms;
+           hints.num_sms > 0 && fwd_tile_count(params, tile.block_m) > hints.num_sms;
 }
 
 template <class Traits, bool kPaged = false>
@@ -46,8 +51,7 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, void* 
                              take<0, 2>(typename Traits::SmemLayoutKV{}),
                              Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
     };
-    int64_t const num_tiles = tile_count(params.sq, params.b, Traits::kBlockM, params.cu_seqlens_q != nullptr) *
-                              params.h * (params.o_partial != nullptr ? params.num_splits : 1);
+    int64_t const num_tiles = fwd_tile_count(params, Traits::kBlockM);
     if (num_tiles > INT_MAX) { return cudaErrorInvalidConfiguration; }
     // Split partials (fp32) leave from registers: their unused output descriptor is built on q, a valid 16-bit
     // tensor of the same shape.
@@ -115,7 +119,7 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, void* 
             args.section = section_of(int64_t(hints.l2_bytes) * params.h_per_hk / std::max<int64_t>(kv_bytes, 1),
                                       int64_t(params.b) * params.h);
         }
-        if (!kPaged && fwd_takes_tile_counter(Traits::kTile, params, hints, num_tiles)) {
+        if (!kPaged && fwd_takes_tile_counter(Traits::kTile, params, hints)) {
             // The one memset of a forward call: no kernel runs before this one to zero the counter.
             args.tile_counter = static_cast<int*>(workspace);
             if (cudaError_t err = cudaMemsetAsync(workspace, 0, sizeof(int), stream); err != cudaSuccess) {
@@ -147,9 +151,7 @@ constexpr FwdTile kFwdTile =
 // The workspace: the tile counter of a persistent grid of causal or local tiles (launch_fwd).
 template <int kHeadDim>
 Workspace fwd_workspace(FwdParams const& params, LaunchHints const& hints) {
-    int64_t const num_tiles = tile_count(params.sq, params.b, kFwdTile<kHeadDim>.block_m,
-                                         params.cu_seqlens_q != nullptr) * params.h;
-    return {fwd_takes_tile_counter(kFwdTile<kHeadDim>, params, hints, num_tiles) ? sizeof(int) : 0};
+    return {fwd_takes_tile_counter(kFwdTile<kHeadDim>, params, hints) ? sizeof(int) : 0};
 }
 
 // A paged cache's key block arrives whole from its page, or where the page size is no multiple of the block, as
