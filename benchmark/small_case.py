@@ -57,6 +57,11 @@ def batched_case(d, backward):
     q = torch.randn(1, 128 * 34 + 5, 4, d, dtype=BF16, device="cuda")
     k, v = (torch.randn(1, 150, 2, d, dtype=BF16, device="cuda") for _ in range(2))
     flash_attn_func(q, k, v)
+    # Causal and windowed, as many query tiles: the SM90 forward's persistent CTAs take them from a tile counter
+    # (head dims 64-192), handing each next index to the consumers through shared memory.
+    k, v = (torch.randn(1, 128 * 34 + 5, 2, d, dtype=BF16, device="cuda") for _ in range(2))
+    flash_attn_func(q, k, v, causal=True)
+    flash_attn_func(q, k, v, window_size=(300, 40))
 
 
 def int32(values):

@@ -78,8 +78,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     };
     PipelineState<Traits::kStages> state;
     // CTA i takes tiles i, i + gridDim.x, ... or, with args.tile_counter (causal and local tiles, which differ in
-    // length), tile i and then whichever the counter hands out next: the producer takes each next index as it starts
-    // loading the current tile and passes it to the consumers through shared memory (tile_full / tile_empty).
+    // length), tile i and then whichever the counter hands out next: the producer takes each next index once it has issued
+    // the current tile's loads and passes it to the consumers through shared memory (tile_full / tile_empty).
     // racecheck reports each consumer read and the producer's next write as a hazard: it does so for a minimal correct
     // mbarrier hand-over too (benchmark/racecheck/handover.cu), and reports nothing else in this kernel.
     bool const dynamic = Traits::kTile.tile_counter && !kPaged && args.tile_counter != nullptr;
@@ -110,14 +110,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             };
             hand_over(blockIdx.x);
             for (int idx = blockIdx.x; idx < args.num_tiles;) {
+                Tile const t = tile_at(idx);
+                if (leader && t.blk.valid && !t.n_range.empty()) {
+                    load<Traits, kPaged>(args, shared, t.seq, t.blk, t.n_range, state);
+                }
+                // Taken once the current tile's loads are issued: the index is not live across them (it spilled).
                 int next = idx + gridDim.x;
                 if (dynamic) {
                     if (tid == 0) { next = int(gridDim.x) + atomicAdd(args.tile_counter, 1); }
                     next = __shfl_sync(0xffffffffu, next, 0);
-                }
-                Tile const t = tile_at(idx);
-                if (leader && t.blk.valid && !t.n_range.empty()) {
-                    load<Traits, kPaged>(args, shared, t.seq, t.blk, t.n_range, state);
                 }
                 hand_over(next);
                 idx = next;
