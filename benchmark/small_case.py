@@ -59,6 +59,8 @@ def batched_case(d, backward):
     flash_attn_func(q, k, v)
     # Causal and windowed, as many query tiles: the SM90 forward's persistent CTAs take them from a tile counter
     # (head dims 64-192), handing each next index to the consumers through shared memory.
+    # 8 heads: more tiles than SMs at 192-row tiles too.
+    q = torch.randn(1, 128 * 34 + 5, 8, d, dtype=BF16, device="cuda")
     k, v = (torch.randn(1, 128 * 34 + 5, 2, d, dtype=BF16, device="cuda") for _ in range(2))
     flash_attn_func(q, k, v, causal=True)
     flash_attn_func(q, k, v, window_size=(300, 40))
