@@ -139,7 +139,7 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, void* 
 // blocks of 128 (176, as FlashAttention-3 uses for unmasked tiles, measured 3-8% slower here at 2k, equal at 8k, and
 // spills). d 192 and 256: two, the widest key block whose two K and V stages fit beside Q (216 and 224 KB; the output
 // stages in V's ring). d 256 takes no tile counter: its consumers have no register to spare, and the counter's
-// hand-over spilled their loop (ptxas 88/112 B against 36/52), at causal 8k 3.5% slower, at 2k equal (H200).
+// hand-over spills their loop (ptxas 92/120 B against 36/44), at causal 8k 3.5% slower, at 2k equal (H200).
 template <int kHeadDim>
 constexpr FwdTile kFwdTile =
     kHeadDim == 256   ? FwdTile{.block_m = 128, .block_n = 80, .kv_stages = 2}
