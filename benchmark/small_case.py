@@ -8,7 +8,9 @@
 
 Sizes are small (the tools slow kernels down by orders of magnitude) but cover a partial query tile, a partial key
 block, GQA, a causal mask, the deterministic dQ order, (unmasked) the SM90 backward's tiles split into parts and its
-persistent CTAs (head dim 64) taking several tiles.
+persistent CTAs (head dim 64) taking several tiles, and the SM90 forward's persistent CTAs taking several tiles, in a
+fixed stride (unmasked) or from the tile counter (causal and windowed; racecheck reports its hand-over of the next
+index, benign: benchmark/racecheck/handover.cu).
 
 --varlen runs flash_attn_varlen_func instead, on packed sequences that cover empty ones (no query, no key, neither),
 single rows, partial tiles, sq > sk and sq < sk, with and without seqused_q/seqused_k (and rows after the last
