@@ -59,9 +59,9 @@ def batched_case(d, backward):
     q = torch.randn(1, 128 * 34 + 5, 4, d, dtype=BF16, device="cuda")
     k, v = (torch.randn(1, 150, 2, d, dtype=BF16, device="cuda") for _ in range(2))
     flash_attn_func(q, k, v)
-    # Causal and windowed, as many query tiles: the SM90 forward's persistent CTAs take them from a tile counter
-    # (head dims 64-192), handing each next index to the consumers through shared memory.
-    # 8 heads: more tiles than SMs at 192-row tiles too.
+    # Causal and windowed, with more query tiles than SMs at every tile height (8 heads): the SM90 forward's
+    # persistent CTAs take them from a tile counter (head dims 64-192), handing each next index to the consumers
+    # through shared memory.
     q = torch.randn(1, 128 * 34 + 5, 8, d, dtype=BF16, device="cuda")
     k, v = (torch.randn(1, 128 * 34 + 5, 2, d, dtype=BF16, device="cuda") for _ in range(2))
     flash_attn_func(q, k, v, causal=True)

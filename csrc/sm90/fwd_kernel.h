@@ -78,8 +78,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     };
     PipelineState<Traits::kStages> state;
     // CTA i takes tiles i, i + gridDim.x, ... or, with args.tile_counter (causal and local tiles, which differ in
-    // length), tile i and then whichever the counter hands out next: the producer takes each next index once it has issued
-    // the current tile's loads and passes it to the consumers through shared memory (tile_full / tile_empty).
+    // length), tile i and then whichever the counter hands out next: the producer takes each next index once it has
+    // issued the current tile's loads and passes it to the consumers through shared memory (tile_full / tile_empty).
     // racecheck reports each consumer read and the producer's next write as a hazard: it does so for a minimal correct
     // mbarrier hand-over too (benchmark/racecheck/handover.cu), and reports nothing else in this kernel.
     bool const dynamic = Traits::kTile.tile_counter && !kPaged && args.tile_counter != nullptr;
