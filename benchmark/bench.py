@@ -72,6 +72,7 @@ import json
 import math
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -98,6 +99,27 @@ SDPA_BACKENDS = {
     "sdpa_math": SDPBackend.MATH,
 }
 RELERR_LIMIT = 2e-2  # far above bf16 rounding (~2e-3 relative); a result beyond it is wrong, not imprecise
+
+# nvidia-smi fields that tell machines apart: the same kernel's figure can differ between machines of one kind
+# (RESULTS.md session 69), so the JSON keeps them, read before and after the run.
+SMI_FIELDS = ("driver_version", "power.limit", "clocks.max.sm", "clocks.max.mem", "clocks.sm", "temperature.gpu",
+              "power.draw")
+
+
+def machine_state():
+    """The current GPU's identity, and its nvidia-smi fields where nvidia-smi runs (else only the identity)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    uuid = str(getattr(props, "uuid", "")).removeprefix("GPU-")
+    state = dict(uuid=uuid, sms=props.multi_processor_count, l2_bytes=getattr(props, "L2_cache_size", None))
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", f"GPU-{uuid}", f"--query-gpu={','.join(SMI_FIELDS)}",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return state
+    values = [v.strip() for v in out.stdout.strip().split(",")]
+    if out.returncode == 0 and len(values) == len(SMI_FIELDS):
+        state.update(zip(SMI_FIELDS, values))
+    return state
 
 
 def sdpa_attention(q, k, v, causal):
@@ -832,6 +854,8 @@ def main():
     backward = args.mode != "fwd"
 
     gpu = torch.cuda.get_device_name()
+    machine_before = machine_state()
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine_before.items()))
     print(f"{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, {args.dtype}, {what}"
           + (f", varlen {args.tokens} tokens" if args.varlen else "")
           + (f", decode (causal{f', pages of {args.page_size}' if args.page_size else ''})" if args.decode else "")
@@ -874,7 +898,7 @@ def main():
     if args.json:
         meta = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, dtype=args.dtype, mode=args.mode,
                     eager=args.eager, tier=args.tier, warmup=args.warmup, iters=args.iters, rounds=args.rounds,
-                    command=" ".join(sys.argv),
+                    command=" ".join(sys.argv), machine_before=machine_before, machine_after=machine_state(),
                     date=datetime.datetime.now().isoformat(timespec="seconds"))
         if args.decode:
             meta.update(decode=True, page_size=args.page_size, timing="CUDA graph replays" if not args.eager
