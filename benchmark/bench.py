@@ -2,8 +2,9 @@
 forward + backward (--mode fwd, bwd, fwdbwd).
 
 TFLOPS from 4 * b * h * sq * sk * d FLOPs for the forward (halved when causal), 2.5x that for the backward and 3.5x
-for forward + backward, timed with CUDA events: per shape, rounds of warm-up and timed runs with the providers in
-random order, then the median of all timed runs. The backward is torch.autograd.grad of a kept forward output with
+for forward + backward, timed with CUDA events: per shape, rounds of warm-up (5 calls, then 200 ms of back-to-back calls, so that every
+provider is timed at the GPU's sustained clocks) and timed runs with the providers in random order, then the median
+of all timed runs. The backward is torch.autograd.grad of a kept forward output with
 a fixed random dout; forward + backward runs a fresh forward before each such call. Besides `ours`, the backward
 modes time `ours_det` (deterministic=True). Peers: PyTorch SDPA under its FLASH_ATTENTION (FlashAttention-2),
 CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, flash-attn 2 (`flash_attn`) and FlashAttention-4
@@ -372,9 +373,20 @@ def prepare_call(mode, attn, q, k, v, causal, dout):
     return results, lambda: torch.autograd.grad(attn(q, k, v, causal), (q, k, v), dout)
 
 
-def time_samples_ms(fn, warmup, iters):
+def time_samples_ms(fn, warmup, iters, warmup_ms):
+    """`warmup` calls, then back-to-back calls for `warmup_ms` more (by the warm-up calls' time per call), then
+    `iters` timed calls, one CUDA-event pair each. The long warm-up times every provider at the GPU's sustained clocks:
+    an H200's kernels run up to 12% faster in the first 40-50 ms of back-to-back calls after an idle moment, so that a
+    short warm-up timed whichever provider came first in a round partly at the faster clocks (RESULTS.md, session 70)."""
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    first.record()
     for _ in range(warmup):
         fn()
+    last.record()
+    torch.cuda.synchronize()
+    if warmup > 0 and warmup_ms > 0:
+        for _ in range(math.ceil(warmup_ms / max(first.elapsed_time(last) / warmup, 1e-3))):
+            fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for start, end in zip(starts, ends):
@@ -569,8 +581,8 @@ def measure_row(row, attns, names, args, q, k, v, causal, dout, check, flops, ra
             runnable[name], pins[name] = call, pin
         except Exception as e:  # one failing provider must not stop the others
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    sample = functools.partial(eager_samples_ms if args.eager else time_samples_ms, warmup=args.warmup,
-                               iters=args.iters)
+    sample = (functools.partial(eager_samples_ms, warmup=args.warmup, iters=args.iters) if args.eager else
+              functools.partial(time_samples_ms, warmup=args.warmup, iters=args.iters, warmup_ms=args.warmup_ms))
     for name, samples in sample_providers(runnable, sample, args.rounds, rng, pins).items():
         ms = statistics.median(samples)
         row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
@@ -819,6 +831,9 @@ def main():
                         "with --eager all; \"\": none)")
     parser.add_argument("--tier", default=None, help="force a tier of ours, e.g. sm80")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warmup-ms", type=float, default=200.0,
+                        help="throughput sweeps: after --warmup calls, back-to-back calls for this many ms more before "
+                        "the timed ones, so that each provider is timed at the GPU's sustained clocks (0: none)")
     parser.add_argument("--iters", type=int, default=None,
                         help="timed calls per provider and round (default 30; with --eager 500)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -859,7 +874,8 @@ def main():
     print(f"{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, {args.dtype}, {what}"
           + (f", varlen {args.tokens} tokens" if args.varlen else "")
           + (f", decode (causal{f', pages of {args.page_size}' if args.page_size else ''})" if args.decode else "")
-          + f", {args.rounds} rounds of warm-up {args.warmup} + {args.iters} timed calls, median")
+          + f", {args.rounds} rounds of warm-up {args.warmup}"
+          + ("" if args.eager or args.decode else f" + {args.warmup_ms:g} ms") + f" + {args.iters} timed calls, median")
     if args.eager:
         print("eager time per call in us (wall time of the timed calls between two synchronizes / calls); "
               "ours/peer = peer time / ours time, > 1: ours is faster")
@@ -897,7 +913,8 @@ def main():
 
     if args.json:
         meta = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, dtype=args.dtype, mode=args.mode,
-                    eager=args.eager, tier=args.tier, warmup=args.warmup, iters=args.iters, rounds=args.rounds,
+                    eager=args.eager, tier=args.tier, warmup=args.warmup, warmup_ms=args.warmup_ms, iters=args.iters,
+                    rounds=args.rounds,
                     command=" ".join(sys.argv), machine_before=machine_before, machine_after=machine_state(),
                     date=datetime.datetime.now().isoformat(timespec="seconds"))
         if args.decode:
