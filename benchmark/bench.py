@@ -54,8 +54,9 @@ Decode steps (--decode): one attention call of a few query rows against a full K
 inference issue's eight shapes, b,sq,sk,h,hk,d; --shape replaces them), causal. Ours is flash_attn_with_kvcache
 (cache_seqlens = sk; with --page-size P the cache is paged into shuffled pages of P rows and read through
 block_table); the peers get the same q, k, v: SDPA's FLASH and CUDNN backends on (b, h, s, d) views, FA4's
-flash_attn_func. Each provider's call is captured in a CUDA graph once; a sample is --iters replays between two CUDA
-events (kernel time per call, without launch overhead), --rounds rounds with the providers in random order, median.
+flash_attn_func. Each provider's call is captured in a CUDA graph once and replayed for 200 ms (--warmup-ms: the
+GPU's sustained clocks); a sample is then --iters replays between two CUDA events (kernel time per call, without
+launch overhead), --rounds rounds with the providers in random order, median.
 The table shows us per call and the K+V bytes read per second (2 * b * sk * hk * d * 2 bytes / time, TB/s);
 ours/best is the best peer's time over ours (> 1: ours is faster). With --eager, eager time per call instead.
 
@@ -686,8 +687,9 @@ DECODE_SHAPES = ((1, 1, 8192, 32, 8, 128), (8, 1, 4096, 32, 8, 128), (32, 1, 819
 DECODE_PEERS = ("sdpa_flash", "sdpa_cudnn", "fa4")
 
 
-def graph_samples_ms(fn, warmup, iters):
-    """One sample: `fn` captured once in a CUDA graph, then the time per replay of `iters` back-to-back replays."""
+def graph_samples_ms(fn, warmup, iters, warmup_ms):
+    """One sample: `fn` captured once in a CUDA graph, replayed for `warmup_ms` (as time_samples_ms, by the first
+    replays' time), then the time per replay of `iters` back-to-back replays."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -697,8 +699,14 @@ def graph_samples_ms(fn, warmup, iters):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    for _ in range(math.ceil(warmup_ms / max(start.elapsed_time(end) / 10, 1e-3)) if warmup_ms > 0 else 0):
+        graph.replay()
     start.record()
     for _ in range(iters):
         graph.replay()
@@ -741,8 +749,8 @@ def run_decode(args, dtype):
     widths = [4, 4, 6, 4, 4, 4] + [max(10, len(n) + 3) for n in names] + [10, 10, 10]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     rows, rng = [], random.Random(0)
-    sample = functools.partial(eager_samples_ms if args.eager else graph_samples_ms, warmup=args.warmup,
-                               iters=args.iters)
+    sample = (functools.partial(eager_samples_ms, warmup=args.warmup, iters=args.iters) if args.eager else
+              functools.partial(graph_samples_ms, warmup=args.warmup, iters=args.iters, warmup_ms=args.warmup_ms))
     for b, sq, sk, h, hk, d in args.shape:
         q = torch.randn(b, sq, h, d, dtype=dtype, device="cuda")
         k, v = (torch.randn(b, sk, hk, d, dtype=dtype, device="cuda") for _ in range(2))
@@ -832,8 +840,9 @@ def main():
     parser.add_argument("--tier", default=None, help="force a tier of ours, e.g. sm80")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--warmup-ms", type=float, default=200.0,
-                        help="throughput sweeps: after --warmup calls, back-to-back calls for this many ms more before "
-                        "the timed ones, so that each provider is timed at the GPU's sustained clocks (0: none)")
+                        help="after --warmup calls (--decode: graph replays), back-to-back calls for this many ms more "
+                        "before the timed ones, so that each provider is timed at the GPU's sustained clocks (0: "
+                        "none; --eager has none)")
     parser.add_argument("--iters", type=int, default=None,
                         help="timed calls per provider and round (default 30; with --eager 500)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -875,7 +884,7 @@ def main():
           + (f", varlen {args.tokens} tokens" if args.varlen else "")
           + (f", decode (causal{f', pages of {args.page_size}' if args.page_size else ''})" if args.decode else "")
           + f", {args.rounds} rounds of warm-up {args.warmup}"
-          + ("" if args.eager or args.decode else f" + {args.warmup_ms:g} ms") + f" + {args.iters} timed calls, median")
+          + ("" if args.eager else f" + {args.warmup_ms:g} ms") + f" + {args.iters} timed calls, median")
     if args.eager:
         print("eager time per call in us (wall time of the timed calls between two synchronizes / calls); "
               "ours/peer = peer time / ours time, > 1: ours is faster")
