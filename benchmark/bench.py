@@ -2,10 +2,10 @@
 forward + backward (--mode fwd, bwd, fwdbwd).
 
 TFLOPS from 4 * b * h * sq * sk * d FLOPs for the forward (halved when causal), 2.5x that for the backward and 3.5x
-for forward + backward, timed with CUDA events: per shape, rounds of warm-up (5 calls, then 200 ms of back-to-back calls, so that every
-provider is timed at the GPU's sustained clocks) and timed runs with the providers in random order, then the median
-of all timed runs. The backward is torch.autograd.grad of a kept forward output with
-a fixed random dout; forward + backward runs a fresh forward before each such call. Besides `ours`, the backward
+for forward + backward, timed with CUDA events: per shape, rounds of warm-up (5 calls, then 200 ms of back-to-back
+calls, so that every provider is timed at the GPU's sustained clocks) and timed runs with the providers in random
+order, then the median of all timed runs. The backward is torch.autograd.grad of a kept forward output with a fixed
+random dout; forward + backward runs a fresh forward before each such call. Besides `ours`, the backward
 modes time `ours_det` (deterministic=True). Peers: PyTorch SDPA under its FLASH_ATTENTION (FlashAttention-2),
 CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, flash-attn 2 (`flash_attn`) and FlashAttention-4
 (`flash_attn.cute`) when installed. A peer that is missing or fails on a shape shows as n/a.
@@ -376,17 +376,19 @@ def prepare_call(mode, attn, q, k, v, causal, dout):
 
 def time_samples_ms(fn, warmup, iters, warmup_ms):
     """`warmup` calls, then back-to-back calls for `warmup_ms` more (by the warm-up calls' time per call), then
-    `iters` timed calls, one CUDA-event pair each. The long warm-up times every provider at the GPU's sustained clocks:
-    an H200's kernels run up to 12% faster in the first 40-50 ms of back-to-back calls after an idle moment, so that a
-    short warm-up timed whichever provider came first in a round partly at the faster clocks (RESULTS.md, session 70)."""
+    `iters` timed calls, one CUDA-event pair each. The long warm-up times every provider at the GPU's sustained
+    clocks: an H200's kernels run up to 12% faster in the first 40-50 ms of back-to-back calls after an idle moment,
+    so that a short warm-up timed whichever provider came first in a round partly at the faster clocks (RESULTS.md,
+    session 70)."""
     first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     first.record()
-    for _ in range(warmup):
+    counted = max(warmup, 1 if warmup_ms > 0 else 0)
+    for _ in range(counted):
         fn()
     last.record()
     torch.cuda.synchronize()
-    if warmup > 0 and warmup_ms > 0:
-        for _ in range(math.ceil(warmup_ms / max(first.elapsed_time(last) / warmup, 1e-3))):
+    if warmup_ms > 0:
+        for _ in range(math.ceil(warmup_ms / max(first.elapsed_time(last) / counted, 1e-3))):
             fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
