@@ -102,8 +102,8 @@ SDPA_BACKENDS = {
 }
 RELERR_LIMIT = 2e-2  # far above bf16 rounding (~2e-3 relative); a result beyond it is wrong, not imprecise
 
-# nvidia-smi fields that tell machines apart: the same kernel's figure can differ between machines of one kind
-# (RESULTS.md session 69), so the JSON keeps them, read before and after the run.
+# nvidia-smi fields that tell machines and their state apart, kept in the JSON before and after the run (session 69
+# read a spread of one kernel's figure as machines; session 70 found it was the clocks' state within a run).
 SMI_FIELDS = ("driver_version", "power.limit", "clocks.max.sm", "clocks.max.mem", "clocks.sm", "temperature.gpu",
               "power.draw")
 
@@ -374,22 +374,26 @@ def prepare_call(mode, attn, q, k, v, causal, dout):
     return results, lambda: torch.autograd.grad(attn(q, k, v, causal), (q, k, v), dout)
 
 
-def time_samples_ms(fn, warmup, iters, warmup_ms):
-    """`warmup` calls, then back-to-back calls for `warmup_ms` more (by the warm-up calls' time per call), then
-    `iters` timed calls, one CUDA-event pair each. The long warm-up times every provider at the GPU's sustained
-    clocks: an H200's kernels run up to 12% faster in the first 40-50 ms of back-to-back calls after an idle moment,
-    so that a short warm-up timed whichever provider came first in a round partly at the faster clocks (RESULTS.md,
-    session 70)."""
+def sustain(fn, calls, warmup_ms):
+    """`calls` back-to-back calls of fn, then as many more as fill `warmup_ms` at their time per call (at least one
+    call sets it). The long warm-up times every provider at the GPU's sustained clocks: an H200's kernels run up to
+    12% faster in the first 40-50 ms of back-to-back calls after an idle moment, so that a short warm-up timed
+    whichever provider came first in a round partly at the faster clocks (RESULTS.md, session 70)."""
+    calls = max(calls, 1 if warmup_ms > 0 else 0)
     first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     first.record()
-    counted = max(warmup, 1 if warmup_ms > 0 else 0)
-    for _ in range(counted):
+    for _ in range(calls):
         fn()
     last.record()
     torch.cuda.synchronize()
     if warmup_ms > 0:
-        for _ in range(math.ceil(warmup_ms / max(first.elapsed_time(last) / counted, 1e-3))):
+        for _ in range(math.ceil(warmup_ms / max(first.elapsed_time(last) / calls, 1e-3))):
             fn()
+
+
+def time_samples_ms(fn, warmup, iters, warmup_ms):
+    """sustain(fn, warmup, warmup_ms), then `iters` timed calls, one CUDA-event pair each."""
+    sustain(fn, warmup, warmup_ms)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for start, end in zip(starts, ends):
@@ -690,8 +694,8 @@ DECODE_PEERS = ("sdpa_flash", "sdpa_cudnn", "fa4")
 
 
 def graph_samples_ms(fn, warmup, iters, warmup_ms):
-    """One sample: `fn` captured once in a CUDA graph, replayed for `warmup_ms` (as time_samples_ms, by the first
-    replays' time), then the time per replay of `iters` back-to-back replays."""
+    """One sample: `fn` captured once in a CUDA graph, sustain(replay, 10, warmup_ms), then the time per replay of
+    `iters` back-to-back replays."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -701,14 +705,8 @@ def graph_samples_ms(fn, warmup, iters, warmup_ms):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    sustain(graph.replay, 10, warmup_ms)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    for _ in range(math.ceil(warmup_ms / max(start.elapsed_time(end) / 10, 1e-3)) if warmup_ms > 0 else 0):
-        graph.replay()
     start.record()
     for _ in range(iters):
         graph.replay()
