@@ -23,7 +23,7 @@ SM90 forward's split partials for 130 rows of a contiguous cache or pages of 16,
 GQA-packed, and 130 rows, under a causal mask or a window, unsplit, in 2 and 3 chunks (on Hopper merged inside a
 cluster; unsplit and in 2, the contiguous cache's 16-row tiles take the ring kernel) and in 17 (merged by the combine
 kernel), a contiguous cache and caches paged in pages of 16, 3, 64 and 128 (shuffled), an empty, a partial and a
-full sequence, new keys appended."""
+full sequence, new keys appended; and with more query tiles than SMs, pages of 16 and 64, causal or not."""
 
 import argparse
 
@@ -130,13 +130,15 @@ def decode_case(d):
                 table = order.view(b, pages).int()
                 flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table, causal=True,
                                         num_splits=num_splits)
-    # More query tiles than SMs, unmasked: persistent CTAs take several, so one tile's output stores meet the next
-    # tile's loads.
+    # More query tiles than SMs: persistent CTAs take several, so one tile's output stores meet the next tile's loads;
+    # causal ones from the tile counter (on Hopper at head dims 64 and 128), whose next index the producer warps that
+    # copy rows (pages of 16) read too.
     q = torch.randn(b, 130, 96, d, dtype=BF16, device="cuda")
     for page in (16, 64):
         table = torch.arange(b * (cache_len // page), device="cuda", dtype=torch.int32).view(b, -1)
-        flash_attn_with_kvcache(q, k_cache.view(-1, page, hk, d), v_cache.view(-1, page, hk, d),
-                                cache_seqlens=seqlens, block_table=table, num_splits=1)
+        for causal in (False, True):
+            flash_attn_with_kvcache(q, k_cache.view(-1, page, hk, d), v_cache.view(-1, page, hk, d),
+                                    cache_seqlens=seqlens, block_table=table, causal=causal, num_splits=1)
     k_new, v_new = (torch.randn(b, 2, hk, d, dtype=BF16, device="cuda") for _ in range(2))
     flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True)
 

@@ -26,11 +26,11 @@ inline int64_t fwd_tile_count(FwdParams const& params, int block_m) {
 // static assignment balances badly (H100, d 128, causal 2k: 410 against 430 TFLOPS with one CTA per tile); taken from
 // a counter, each SM's next tile is the next one in the order, as with one CTA per tile, and the producer loads it
 // under the current tile's end (H200, causal 2k: +5 to +9% over one CTA per tile at d 64 to 192, equal at 8k;
-// RESULTS.md session 67). Only where the tile has it (FwdTile::tile_counter), with more tiles than SMs, and not for
-// paged caches and split-KV partials (decode shapes).
+// RESULTS.md session 67; paged caches alike, session 71). Only where the tile has it (FwdTile::tile_counter), with more
+// tiles than SMs, and not for split-KV partials (decode shapes).
 inline bool fwd_takes_tile_counter(FwdTile const& tile, FwdParams const& params, LaunchHints const& hints) {
     bool const masked = params.window_left >= 0 || params.window_right >= 0;
-    return tile.tile_counter && masked && params.block_table == nullptr && params.o_partial == nullptr &&
+    return tile.tile_counter && masked && params.o_partial == nullptr &&
            hints.num_sms > 0 && fwd_tile_count(params, tile.block_m) > hints.num_sms;
 }
 
@@ -119,7 +119,7 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, void* 
             args.section = section_of(int64_t(hints.l2_bytes) * params.h_per_hk / std::max<int64_t>(kv_bytes, 1),
                                       int64_t(params.b) * params.h);
         }
-        if (!kPaged && fwd_takes_tile_counter(Traits::kTile, params, hints)) {
+        if (fwd_takes_tile_counter(Traits::kTile, params, hints)) {
             // The one memset of a forward call: no kernel runs before this one to zero the counter.
             args.tile_counter = static_cast<int*>(workspace);
             if (cudaError_t err = cudaMemsetAsync(workspace, 0, sizeof(int), stream); err != cudaSuccess) {

@@ -20,7 +20,7 @@ namespace flash::sm90 {
 using namespace cute;
 
 // A forward tile: block_m query rows (64 per consumer warpgroup), key blocks of block_n columns, K and V rings of
-// kv_stages blocks; tile_counter: a dense kernel whose causal and local calls may take their tiles from a tile counter
+// kv_stages blocks; tile_counter: a kernel whose causal and local calls may take their tiles from a tile counter
 // (fwd_takes_tile_counter), compiled out where false.
 // setmaxnreg moves registers within what the launch bound gave the CTA (65536 over its threads, in multiples of 8):
 // a consumer increase beyond it never returns. One producer warpgroup, `consumer_wgs` consumer warpgroups.
