@@ -131,8 +131,7 @@ def decode_case(d):
                 flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table, causal=True,
                                         num_splits=num_splits)
     # More query tiles than SMs: persistent CTAs take several, so one tile's output stores meet the next tile's loads;
-    # causal ones from the tile counter (on Hopper at head dims 64 and 128), whose next index the producer warps that
-    # copy rows (pages of 16) read too.
+    # causal ones from the tile counter (on Hopper at head dims 64 and 128, pages of 64).
     q = torch.randn(b, 130, 96, d, dtype=BF16, device="cuda")
     for page in (16, 64):
         table = torch.arange(b * (cache_len // page), device="cuda", dtype=torch.int32).view(b, -1)

@@ -456,12 +456,12 @@ def assert_matches_reference(q, k, v, used, out, lse, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_prefill_many_tiles_cuda(d, page_size, causal):
     """More query tiles than SMs: without a mask the SM90 forward's persistent CTAs take several each (one tile's
-    output stores beside the next tile's loads); causal ones take them from the tile counter at d 64 and 128 (the
-    producer warps that copy rows read each next tile as the consumers do), one CTA per tile at d 192 and 256. Read
-    from shuffled pages (rows copied for pages of 16 and 48, 64-row boxes for 64; at d 96 gathered into a contiguous
-    copy), the output is the contiguous cache's, bit for bit where the key blocks are the same (d 64, 96, 128; d 192's
-    and 256's paged kernels read blocks of 64 keys, their contiguous ones 112 and 80), and within flash-attn's rule of
-    the reference for every sequence."""
+    output stores beside the next tile's loads); causal ones take them from the tile counter at d 64 and 128 where
+    TMA reads the pages (64), else one CTA per tile (rows copied; d 192 and 256). Read from shuffled pages (rows
+    copied for pages of 16 and 48, 64-row boxes for 64; at d 96 gathered into a contiguous copy), the output is the
+    contiguous cache's, bit for bit where the key blocks are the same (d 64, 96, 128; d 192's and 256's paged kernels
+    read blocks of 64 keys, their contiguous ones 112 and 80), and within flash-attn's rule of the reference for every
+    sequence."""
     require_kernel(d, bf16)
     b, sq, h, hk, sk = 2, 400, 48, 8, 1000
     q = torch.randn(b, sq, h, d, dtype=bf16, device="cuda")

@@ -46,8 +46,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         cutlass::arch::ClusterBarrier::init(&shared.q_empty, Traits::kConsumerThreads / 32);
         cutlass::arch::ClusterBarrier::init(&shared.o_free, Traits::kConsumerWarpGroups);
         cutlass::arch::ClusterBarrier::init(&shared.tile_full, 1);
-        // Read by every consumer warp, and by producer warps 1-3 where they copy page rows.
-        cutlass::arch::ClusterBarrier::init(&shared.tile_empty, Traits::kConsumerThreads / 32 + (page_rows ? 3 : 0));
+        cutlass::arch::ClusterBarrier::init(&shared.tile_empty, Traits::kConsumerThreads / 32);
         // Rows copied by the producer warpgroup complete a stage with one arrival per thread, TMA with one.
         int const producer_arrivals = page_rows ? 128 : 1;
         shared.k_ring.init(Traits::kConsumerThreads / 32, producer_arrivals);
@@ -83,32 +82,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // issued the current tile's loads and passes it to the consumers through shared memory (tile_full / tile_empty).
     // racecheck reports each consumer read and the producer's next write as a hazard: it does so for a minimal correct
     // mbarrier hand-over too (benchmark/racecheck/handover.cu), and reports nothing else in this kernel.
+    // Never with page rows (launch_fwd): only producer warp 0 takes part in the hand-over.
     bool const dynamic = Traits::kTile.tile_counter && args.tile_counter != nullptr;
-    uint32_t tile_phase = 0;
-    auto tile_after = [&](int idx) {  // the CTA's next tile, after idx, for a warp that does not take it
-        if (!dynamic) { return idx + int(gridDim.x); }
-        cutlass::arch::ClusterBarrier::wait(&shared.tile_full, tile_phase);
-        tile_phase ^= 1;
-        int const next = shared.next_tile;
-        __syncwarp();
-        if (cute::elect_one_sync()) { cutlass::arch::ClusterBarrier::arrive(&shared.tile_empty); }
-        return next;
-    };
 
     if (tid < 128) {
         cutlass::arch::warpgroup_reg_dealloc<kPaged ? Traits::kPagedProducerRegisters : Traits::kProducerRegisters>();
-        // Producer warp 0 takes each next tile and hands it over; with page rows, warps 1-3 copy rows too and read
-        // the next tile as the consumers do.
-        auto load_tile = [&](Tile const& t, bool leader) __attribute__((always_inline)) {
-            if (!t.blk.valid || t.n_range.empty()) { return; }
-            if constexpr (kPaged) {
-                if (page_rows) {
-                    load_page_rows<Traits>(args, shared, t.seq, t.blk, t.n_range, state, tid);
-                    return;
+        if constexpr (kPaged) {
+            if (page_rows) {
+                for (int idx = blockIdx.x; idx < args.num_tiles; idx += gridDim.x) {
+                    Tile const t = tile_at(idx);
+                    if (t.blk.valid && !t.n_range.empty()) {
+                        load_page_rows<Traits>(args, shared, t.seq, t.blk, t.n_range, state, tid);
+                    }
                 }
+                return;
             }
-            if (leader) { load<Traits, kPaged>(args, shared, t.seq, t.blk, t.n_range, state); }
-        };
+        }
         if (tid < 32) {
             bool const leader = cute::elect_one_sync();
             uint32_t phase = 0;
@@ -122,7 +111,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             };
             hand_over(blockIdx.x);
             for (int idx = blockIdx.x; idx < args.num_tiles;) {
-                load_tile(tile_at(idx), leader);
+                Tile const t = tile_at(idx);
+                if (leader && t.blk.valid && !t.n_range.empty()) {
+                    load<Traits, kPaged>(args, shared, t.seq, t.blk, t.n_range, state);
+                }
                 // Taken once the current tile's loads are issued: the index is not live across them (it spilled).
                 int next = idx + gridDim.x;
                 if (dynamic) {
@@ -131,10 +123,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 }
                 hand_over(next);
                 idx = next;
-            }
-        } else if (page_rows) {
-            for (int idx = tile_after(int(blockIdx.x) - int(gridDim.x)); idx < args.num_tiles; idx = tile_after(idx)) {
-                load_tile(tile_at(idx), false);
             }
         }
         return;
@@ -145,6 +133,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     GemmTurns<Traits::kConsumerWarpGroups, Traits::kPingPong> const turns{ctid / 128};
     turns.init();
     typename Traits::TiledMmaO mma_o;
+    uint32_t tile_phase = 0;
+    auto tile_after = [&](int idx) {  // the CTA's next tile, after idx
+        if (!dynamic) { return idx + int(gridDim.x); }
+        cutlass::arch::ClusterBarrier::wait(&shared.tile_full, tile_phase);
+        tile_phase ^= 1;
+        int const next = shared.next_tile;
+        __syncwarp();
+        if (cute::elect_one_sync()) { cutlass::arch::ClusterBarrier::arrive(&shared.tile_empty); }
+        return next;
+    };
     for (int idx = tile_after(int(blockIdx.x) - int(gridDim.x)); idx < args.num_tiles; idx = tile_after(idx)) {
         Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         clear(acc_o);

@@ -16,6 +16,12 @@
 
 namespace flash::sm90 {
 
+// Whether a paged cache's key blocks of block_n keys straddle pages that TMA boxes of kPageBoxRows rows do not tile
+// either: the producer warpgroup copies their rows (load_page_rows).
+inline bool copies_page_rows(FwdParams const& params, int block_n) {
+    return params.block_table != nullptr && params.page_size % block_n != 0 && params.page_size % kPageBoxRows != 0;
+}
+
 // A forward call's query tiles of block_m rows (times its splits, for split-KV partials).
 inline int64_t fwd_tile_count(FwdParams const& params, int block_m) {
     return tile_count(params.sq, params.b, block_m, params.cu_seqlens_q != nullptr) * params.h *
@@ -26,11 +32,12 @@ inline int64_t fwd_tile_count(FwdParams const& params, int block_m) {
 // static assignment balances badly (H100, d 128, causal 2k: 410 against 430 TFLOPS with one CTA per tile); taken from
 // a counter, each SM's next tile is the next one in the order, as with one CTA per tile, and the producer loads it
 // under the current tile's end (H200, causal 2k: +5 to +9% over one CTA per tile at d 64 to 192, equal at 8k;
-// RESULTS.md session 67; paged caches alike, session 71). Only where the tile has it (FwdTile::tile_counter), with more
-// tiles than SMs, and not for split-KV partials (decode shapes).
+// RESULTS.md session 67; paged caches read by TMA alike, up to +3% at causal 4k, session 71). Only where the tile has it
+// (FwdTile::tile_counter), with more tiles than SMs, not for split-KV partials (decode shapes), and not where the
+// producer warpgroup copies page rows (0.3-0.9% slower with it, session 71).
 inline bool fwd_takes_tile_counter(FwdTile const& tile, FwdParams const& params, LaunchHints const& hints) {
     bool const masked = params.window_left >= 0 || params.window_right >= 0;
-    return tile.tile_counter && masked && params.o_partial == nullptr &&
+    return tile.tile_counter && masked && params.o_partial == nullptr && !copies_page_rows(params, tile.block_n) &&
            hints.num_sms > 0 && fwd_tile_count(params, tile.block_m) > hints.num_sms;
 }
 
@@ -86,7 +93,7 @@ cudaError_t launch_fwd(FwdParams const& params, LaunchHints const& hints, void* 
                               params.v_batch_stride, params.num_pages);
         // Blocks that straddle pages: TMA boxes of kPageBoxRows rows where the page size is a multiple of that (d 128:
         // two boxes per block, 5-7% over the contiguous cache; rows 7-11%; H100, RESULTS.md), else rows.
-        args.pages.rows = params.page_size % Traits::kBlockN != 0 && params.page_size % kPageBoxRows != 0;
+        args.pages.rows = copies_page_rows(params, Traits::kBlockN);
         if (params.page_size % Traits::kBlockN != 0 && !args.pages.rows) {
             auto tma_boxes = [&](void const* ptr, int64_t row_stride, int64_t head_stride, int64_t page_stride) {
                 return make_tma_copy(SM90_TMA_LOAD{},
