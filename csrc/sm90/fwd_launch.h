@@ -32,8 +32,8 @@ inline int64_t fwd_tile_count(FwdParams const& params, int block_m) {
 // static assignment balances badly (H100, d 128, causal 2k: 410 against 430 TFLOPS with one CTA per tile); taken from
 // a counter, each SM's next tile is the next one in the order, as with one CTA per tile, and the producer loads it
 // under the current tile's end (H200, causal 2k: +5 to +9% over one CTA per tile at d 64 to 192, equal at 8k;
-// RESULTS.md session 67; paged caches read by TMA alike, up to +3% at causal 4k, session 71). Only where the tile has it
-// (FwdTile::tile_counter), with more tiles than SMs, not for split-KV partials (decode shapes), and not where the
+// RESULTS.md session 67; paged caches read by TMA alike, up to +3% at causal 4k, session 71). Only where the tile has
+// it (FwdTile::tile_counter), with more tiles than SMs, not for split-KV partials (decode shapes), and not where the
 // producer warpgroup copies page rows (0.3-0.9% slower with it, session 71).
 inline bool fwd_takes_tile_counter(FwdTile const& tile, FwdParams const& params, LaunchHints const& hints) {
     bool const masked = params.window_left >= 0 || params.window_right >= 0;
@@ -155,32 +155,37 @@ constexpr FwdTile kFwdTile =
     : kHeadDim == 96  ? FwdTile{.block_m = 192, .block_n = 96, .kv_stages = 2, .tile_counter = true}
                       : FwdTile{.block_m = 192, .block_n = 128, .kv_stages = 2, .tile_counter = true};
 
+// A paged cache's tile: d 192's and 256's key blocks (112, 80) would straddle pages, so blocks of 64 there (two
+// stages fit beside Q), else the dense kernel's (a third K / V stage bought nothing once the producer warpgroup copies
+// whole lines: d 128, pages of 16, 64 and 128, equal or up to 3% slower with three; H100, RESULTS.md).
+template <int kHeadDim>
+constexpr FwdTile kPagedFwdTile =
+    kFwdTile<kHeadDim>.block_n % kPageBoxRows == 0
+        ? kFwdTile<kHeadDim>
+        : FwdTile{.block_m = kFwdTile<kHeadDim>.block_m, .block_n = kPageBoxRows,
+                  .kv_stages = kFwdTile<kHeadDim>.kv_stages};
+
 // The workspace: the tile counter of a persistent grid of causal or local tiles (launch_fwd).
 template <int kHeadDim>
 Workspace fwd_workspace(FwdParams const& params, LaunchHints const& hints) {
-    return {fwd_takes_tile_counter(kFwdTile<kHeadDim>, params, hints) ? sizeof(int) : 0};
+    FwdTile const tile = params.block_table != nullptr ? kPagedFwdTile<kHeadDim> : kFwdTile<kHeadDim>;
+    return {fwd_takes_tile_counter(tile, params, hints) ? sizeof(int) : 0};
 }
 
 // A paged cache's key block arrives whole from its page, or where the page size is no multiple of the block, as
 // boxes of kPageBoxRows rows or row by row (mainloop.h).
 template <int kHeadDim, typename Element>
 cudaError_t run_fwd(FwdParams const& params, LaunchHints const& hints, void* workspace, cudaStream_t stream) {
-    constexpr FwdTile kTile = kFwdTile<kHeadDim>;
     static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
                   "no SM90 forward tile for this head dim");
-    using Traits = FwdTraits<kHeadDim, kTile, Element>;
-    if (params.block_table == nullptr) { return launch_fwd<Traits>(params, hints, workspace, stream); }
+    if (params.block_table == nullptr) {
+        return launch_fwd<FwdTraits<kHeadDim, kFwdTile<kHeadDim>, Element>>(params, hints, workspace, stream);
+    }
     if constexpr (!reads_pages(kHeadDim)) {
         return cudaErrorNotSupported;  // unsupported_fwd gives these paged calls to the SM80 tier
-    } else if constexpr (kTile.block_n % kPageBoxRows == 0) {
-        // The dense kernel's two K / V stages: a third bought nothing once the producer warpgroup copies whole lines
-        // (d 128, pages of 16, 64 and 128: equal or up to 3% slower with three; H100, RESULTS.md).
-        return launch_fwd<Traits, true>(params, hints, workspace, stream);
     } else {
-        // d 192's and 256's key blocks (112, 80) would straddle pages: blocks of 64 (two stages fit beside Q).
-        return launch_fwd<FwdTraits<kHeadDim, FwdTile{.block_m = kTile.block_m, .block_n = kPageBoxRows,
-                                                      .kv_stages = kTile.kv_stages}, Element>, true>(
-            params, hints, workspace, stream);
+        return launch_fwd<FwdTraits<kHeadDim, kPagedFwdTile<kHeadDim>, Element>, true>(params, hints, workspace,
+                                                                                        stream);
     }
 }
 
