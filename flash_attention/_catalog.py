@@ -4,7 +4,7 @@ dim, an arch or a tier rule is written here and nowhere else. No torch import, s
 own, by path.
 
 A tier is one architecture's family of kernels (one folder of csrc/); a kind is what a kernel computes (fwd, bwd,
-combine of split-KV partials; later split-KV partials, append-KV), each kind with its own params type. A kernel is
+combine of split-KV partials, append-KV, the gather of a paged cache), each kind with its own params type. A kernel is
 keyed by (tier, kind, kernel head dim, dtype in, dtype out): the only properties that change its machine code's
 shape.
 """
@@ -41,6 +41,9 @@ class Kind:
     page_multiple: int = 0
     # The kernel head dims whose kernels read pages (None: all of head_dims).
     paged_head_dims: Optional[Tuple[int, ...]] = None
+    # Pages of a multiple of this arrive by TMA (sm90/tile_traits.h: kPageBoxRows); the other multiples of
+    # page_multiple are copied row by row, about 10% slower than a contiguous cache (0: no such split).
+    page_box_rows: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +74,13 @@ TIERS = {
                  {"fwd": Kind("FwdParams", "sm80/fwd_launch.h", page_multiple=1),
                   "bwd": Kind("BwdParams", "sm80/bwd_launch.h"),
                   "combine": Kind("CombineParams", "sm80/combine_launch.h"),
-                  "append": Kind("AppendParams", "sm80/append_launch.h", (MAX_HEAD_DIM,), any_head_dim=True)},
+                  "append": Kind("AppendParams", "sm80/append_launch.h", (MAX_HEAD_DIM,), any_head_dim=True),
+                  "gather": Kind("GatherParams", "sm80/gather_launch.h", (MAX_HEAD_DIM,), any_head_dim=True)},
                  ("sm80",)),
     # Its d 256 key blocks of 80 columns need CuTe's wgmma shapes with N not a power of two.
     "sm90": Tier("sm90", 90, (90,), ((9, 0), (9, 0)),
                  {"fwd": Kind("FwdParams", "sm90/fwd_launch.h", (64, 96, 128, 192, 256), page_multiple=16,
-                              paged_head_dims=(64, 128, 192, 256)),
+                              paged_head_dims=(64, 128, 192, 256), page_box_rows=64),
                   "bwd": Kind("BwdParams", "sm90/bwd_launch.h", (64, 96, 128, 192, 256))},
                  ("sm90",), "a", ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), fallback="sm80"),
 }

@@ -389,6 +389,39 @@ def forward_reads_pages(tier_name: str, page_size: int, head_dim: int) -> bool:
             and _catalog.kernel_head_dim(head_dim, kind) in paged_dims)
 
 
+def forward_copies_page_rows(tier_name: str, page_size: int) -> bool:
+    """Whether tier_name's forward, where it reads pages of page_size rows, copies them row by row (not by TMA)."""
+    kind = _catalog.TIERS[tier_name].kinds["fwd"]
+    return bool(kind.page_box_rows) and page_size % kind.page_box_rows != 0
+
+
+def gather_kernel_usable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether gather_pages takes these page pools: eager, built for their dtype, in 16-byte vectors (rows of a
+    multiple of 16 bytes, 16-byte aligned)."""
+    if not k_cache.is_cuda or torch.compiler.is_compiling():
+        return False
+    size = k_cache.element_size()
+    for t in (k_cache, v_cache):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
+            return False
+    if k_cache.shape[-1] * size % 16:
+        return False
+    try:
+        _dispatch.resolve(k_cache.device, "gather", k_cache.shape[-1], k_cache.dtype, SPLIT_TIER)
+    except RuntimeError:
+        return False
+    return True
+
+
+def gather_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, used: torch.Tensor):
+    """(k, v) (b, max_blocks * page_size, hk, d): each sequence's first used[i] rows gathered from its pages in one
+    kernel (the SM80 tier's, portable); the rows past them are uninitialized. Check gather_kernel_usable first."""
+    ext = _dispatch.load_extension()
+    tier_id, kernel_dim = _dispatch.resolve(k_cache.device, "gather", k_cache.shape[-1], k_cache.dtype, SPLIT_TIER)
+    k, v = ext.gather_pages(k_cache, v_cache, block_table.contiguous(), used.contiguous(), kernel_dim, tier_id)
+    return k, v
+
+
 def split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right, softcap,
                        num_splits, packed_heads, tier):
     ext = _dispatch.load_extension()

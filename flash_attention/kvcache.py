@@ -13,7 +13,8 @@ whole call is) whose fp32 partials the combine kernel merges (on Hopper, up to 1
 cluster instead). Decode-shaped calls run the SM80 tier's decode kernels, the query heads of a kv head packed as rows
 of one sequence (GQA packing, each packed row masked as its query row), so each K/V block is read once per kv head;
 prefill-shaped ones on Hopper run the SM90 forward, unpacked (a paged cache by TMA or row by row from its pages, or,
-for pages of a size it does not read, from a contiguous copy that the pages are gathered into first). Otherwise, and
+for pages of a size it does not read, and pages it would copy row by row where a gather pass costs less, from
+contiguous copies of the used rows, gathered first). Otherwise, and
 under torch.compile, it is composed: pages or the entries that cache_batch_idx selects are gathered into a contiguous
 copy, and where exact (one query row, or no mask, and no window or ALiBi) the query heads are packed and the chunks
 attended to as sequences of their own in one varlen call, whose outputs flash_attn_combine merges by their lse (rounded
@@ -108,6 +109,30 @@ def _check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
 def _cache_len(k_cache, block_table) -> int:
     """Rows a sequence's cache can hold."""
     return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+
+
+# Where the faster tier would copy a paged cache's rows (pages of 16 or 48 on Hopper), gathering them first by
+# _ops.gather_pages pays once each key row meets this many query rows; H200, bf16, pages of 16, causal against 4096-16384
+# keys (RESULTS.md, session 72): the row copies cost 1.06-1.13x the contiguous cache, the gather's one pass 2-3.5 TB/s.
+_GATHER_MIN_REUSE = 4096
+# The copies are allocated per call: above this, the pages are read in place.
+_GATHER_MAX_BYTES = 256 << 20
+
+
+def _gather_pays(tier_name: str, k_cache, v_cache, b: int, sq: int, h: int, cache_len: int, causal: bool,
+                 local: bool) -> bool:
+    """Whether gathering a paged cache into contiguous copies (_ops.gather_pages, one pass over the used rows) costs
+    less than tier_name's forward copying its pages row by row: where each key row meets enough query rows (the query
+    heads of its kv head times the query rows that see it, the capacity counted as used; local windows not estimated)
+    and the copies take at most _GATHER_MAX_BYTES."""
+    if local or not _ops.forward_copies_page_rows(tier_name, k_cache.shape[1]):
+        return False
+    hk, d = k_cache.shape[2:]
+    if 2 * b * cache_len * hk * d * k_cache.element_size() > _GATHER_MAX_BYTES:
+        return False
+    sk = cache_len
+    pairs = (sq * sk - sq * (sq - 1) // 2 if sq <= sk else sk * (sk + 1) // 2) if causal else sq * sk
+    return h // hk * pairs >= _GATHER_MIN_REUSE * sk and _ops.gather_kernel_usable(k_cache, v_cache)
 
 
 def _cache_rows(cache: torch.Tensor, block_table, cache_batch_idx, b: int) -> torch.Tensor:
@@ -259,9 +284,10 @@ def flash_attn_with_kvcache(
         # Pages the faster tier does not read (by the catalog: of a size no multiple of its page_multiple, or at a head
         # dim outside its paged_head_dims) are gathered into a contiguous copy for it: that costs less than the
         # composed call (H100, 2026-11-26, pages of 16, sq 512-4096 against 4096 keys: the gather 17-57 us, the
-        # composed call 64-107 us over the contiguous one).
-        gather = faster_tier and block_table is not None and not _ops.forward_reads_pages(forward_tier,
-                                                                                        k_cache.shape[1], d)
+        # composed call 64-107 us over the contiguous one). So are pages it would copy row by row, where that pays.
+        gather = faster_tier and block_table is not None and (
+            not _ops.forward_reads_pages(forward_tier, k_cache.shape[1], d)
+            or _gather_pays(forward_tier, k_cache, v_cache, b, sq, h, cache_len, causal, local))
     native = can_split and (sq <= 64 or faster_tier or _ops.split_tier_is_default(q, tier))
     pack = group > 1 and (exact or native) and not faster_tier
     # A native call's rows are packed by the kernel, and come back unpacked.
@@ -280,6 +306,8 @@ def flash_attn_with_kvcache(
         used = (cache_seqlens + s_new if s_new else cache_seqlens).contiguous()
         if block_table is not None and not gather:
             keys, values, table = k_cache, v_cache, block_table.contiguous()
+        elif gather and _ops.gather_kernel_usable(k_cache, v_cache):
+            (keys, values), table = _ops.gather_pages(k_cache, v_cache, block_table, used), None
         else:
             keys, values, table = (_cache_rows(k_cache, block_table, cache_batch_idx, b),
                                    _cache_rows(v_cache, block_table, cache_batch_idx, b), None)

@@ -13,7 +13,7 @@ from flash_attention import flash_attn_with_kvcache
 from helpers import require_kernel
 from reference import attention_ref
 
-bf16 = torch.bfloat16
+bf16, fp16 = torch.bfloat16, torch.float16
 
 
 def rotate(x, cos, sin, positions, interleaved):
@@ -482,6 +482,87 @@ def test_paged_prefill_many_tiles_cuda(d, page_size, causal):
         low_err = (low_out.float() - ref_out.float()).abs().max()
         assert torch.isfinite(out[i]).all() and err <= 2 * low_err + 1e-4, (i, err, low_err)
         assert torch.allclose(lse[i:i + 1], ref_lse.float(), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("page_size, sq, cache_len, h, causal, local, expected", [
+    (16, 2048, 4096, 32, True, False, True),  # each key row meets 4 x 1536 query rows
+    (48, 4096, 4096, 32, True, False, True),
+    (16, 512, 4096, 32, True, False, False),  # 4 x 481: the row copies cost less
+    (16, 1024, 4096, 32, False, False, True),
+    (16, 2048, 4096, 32, True, True, False),  # local windows: not estimated
+    (64, 2048, 4096, 32, True, False, False),  # TMA reads the pages
+    (16, 2048, 65536, 32, True, False, False),  # 256 MiB of copies at most
+])
+def test_gather_pays(monkeypatch, page_size, sq, cache_len, h, causal, local, expected):
+    """Pages that the SM90 forward copies row by row are gathered first where each key row meets enough query rows
+    (the query heads of its kv head times the query rows that see it), within the copies' memory bound."""
+    from flash_attention import _ops, kvcache
+    monkeypatch.setattr(_ops, "gather_kernel_usable", lambda k_cache, v_cache: True)
+    pool = torch.empty(1, page_size, 8, 128, dtype=bf16)
+    assert kvcache._gather_pays("sm90", pool, pool, 2, sq, h, cache_len, causal, local) is expected
+    assert kvcache._gather_pays("sm80", pool, pool, 2, sq, h, cache_len, causal, local) is False
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [bf16, fp16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("page_size, hk, d", [(1, 3, 64), (3, 2, 128), (16, 8, 128), (48, 1, 256), (16, 4, 8)])
+def test_gather_pages_kernel_cuda(dtype, page_size, hk, d):
+    """_ops.gather_pages copies each sequence's first used rows (none for 0 or less, all for more than the table
+    holds) from its pages, ids out of the pool clamped as PyTorch's gather does, from a pool whose rows are not
+    contiguous (a slice of a wider one); it leaves the rows past them alone."""
+    from flash_attention import _ops, _paged
+    require_kernel(d, dtype, "gather")
+    b, blocks = 5, 7
+    wide = torch.randn(b * blocks + 2, page_size, hk, d + 8, dtype=dtype, device="cuda")
+    k_pool, v_pool = wide[..., :d], wide[..., 8:]
+    assert not k_pool.is_contiguous() and _ops.gather_kernel_usable(k_pool, v_pool)
+    table = torch.randperm(b * blocks + 2, device="cuda")[:b * blocks].view(b, blocks).to(torch.int32)
+    table[1, 0], table[2, 1] = -5, 10 ** 6
+    cache_len = blocks * page_size
+    used = torch.tensor([0, cache_len + 9, 1, cache_len - 1, -3], dtype=torch.int32, device="cuda")
+    k, v = _ops.gather_pages(k_pool, v_pool, table, used)
+    assert k.shape == v.shape == (b, cache_len, hk, d) and k.is_contiguous()
+    for got, pool in ((k, k_pool), (v, v_pool)):
+        want = _paged.gather_pages(pool, table)
+        for i in range(b):
+            n = max(0, min(int(used[i]), cache_len))
+            assert torch.equal(got[i, :n], want[i, :n]), i
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d, page_size, dtype", [(64, 16, bf16), (128, 16, bf16), (128, 48, fp16), (256, 16, bf16)],
+                         ids=["d64-p16", "d128-p16", "d128-p48-fp16", "d256-p16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_prefill_gathered_cuda(monkeypatch, d, page_size, dtype, causal):
+    """Where gathering pays (forced here), a paged prefill on Hopper gathers the used rows into contiguous copies and
+    runs the contiguous cache's kernel: the same bits as the contiguous call, with NaN in every pool row past a
+    sequence's used count (those rows are not copied, and the forward masks the keys there and zeroes the values)."""
+    from flash_attention import _ops, kvcache
+    require_kernel(d, dtype)
+    require_kernel(d, dtype, "gather")
+    b, sq, h, hk, sk = 3, 300, 16, 4, 1000
+    q = torch.randn(b, sq, h, d, dtype=dtype, device="cuda")
+    k, v = (torch.randn(b, sk, hk, d, dtype=dtype, device="cuda") for _ in range(2))
+    if _ops.split_forward_tier(q, k, None, None, 1, None) == _ops.SPLIT_TIER:
+        pytest.skip("no faster tier than the split kernels' on this GPU and build")
+    used = torch.tensor([sk, 611, 77], dtype=torch.int32, device="cuda")
+    k_pool, v_pool, table = pages_of(k, v, page_size)
+    for i in range(b):
+        rows = torch.arange(int(used[i]), table.shape[1] * page_size, device="cuda")
+        pages = table[i].long()[rows // page_size]
+        k_pool[pages, rows % page_size] = float("nan")
+        v_pool[pages, rows % page_size] = float("nan")
+    calls = []
+    gather = _ops.gather_pages
+    monkeypatch.setattr(_ops, "gather_pages", lambda *args: calls.append(1) or gather(*args))
+    monkeypatch.setattr(kvcache, "_GATHER_MIN_REUSE", 0)
+    out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=used, block_table=table, causal=causal,
+                                       num_splits=1, return_softmax_lse=True)
+    assert calls, "the call did not gather"
+    dense, dense_lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=used, causal=causal, num_splits=1,
+                                               return_softmax_lse=True)
+    assert torch.equal(out, dense) and torch.equal(lse, dense_lse)
+    assert_matches_reference(q, k, v, used, out, lse, causal)
 
 
 @pytest.mark.parametrize("sq, packed", [(1, 1), (1, 4), (3, 4)])

@@ -421,6 +421,38 @@ at::Tensor append_kv(at::Tensor const& q, at::Tensor const& k_cache, at::Tensor 
     return q_rot;
 }
 
+// A paged cache's used rows gathered into contiguous copies (k, v) of (b, max_blocks * page_size, hk, d): sequence i's
+// first used[i] rows from its pages (GatherParams); the rows past them are left uninitialized.
+std::vector<at::Tensor> gather_pages(at::Tensor const& k_cache, at::Tensor const& v_cache,
+                                     at::Tensor const& block_table, at::Tensor const& used, int64_t kernel_head_dim,
+                                     int64_t tier) {
+    c10::cuda::CUDAGuard guard(k_cache.device());
+    TORCH_CHECK(k_cache.is_cuda() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                    v_cache.device() == k_cache.device() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                    vector_aligned(k_cache) && vector_aligned(v_cache) &&
+                    k_cache.size(3) * k_cache.element_size() % 16 == 0,
+                "flash_attention: gather_pages takes k_cache and v_cache as page pools (num_pages, page_size, hk, d) "
+                "of one shape, dtype and device, in 16-byte vectors (rows of a multiple of 16 bytes, 16-byte aligned)");
+    int64_t const b = block_table.size(0);
+    flash::GatherParams p{};
+    p.block_table = block_table_of(block_table, k_cache, b);
+    p.block_table_stride = block_table.stride(0);
+    p.used = seq_tensor(used, "used", b, k_cache);
+    p.b = int(b), p.hk = int(k_cache.size(2)), p.d = int(k_cache.size(3));
+    p.page_size = int(k_cache.size(1)), p.num_pages = int(k_cache.size(0));
+    p.cache_len = int(block_table.size(1) * k_cache.size(1));
+    TORCH_CHECK(p.num_pages > 0, "flash_attention: the caches must hold a page");
+    p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
+    p.kc_page_stride = k_cache.stride(0), p.kc_row_stride = k_cache.stride(1), p.kc_head_stride = k_cache.stride(2);
+    p.vc_page_stride = v_cache.stride(0), p.vc_row_stride = v_cache.stride(1), p.vc_head_stride = v_cache.stride(2);
+    at::Tensor k = at::empty({b, p.cache_len, p.hk, p.d}, k_cache.options());
+    at::Tensor v = at::empty({b, p.cache_len, p.hk, p.d}, k_cache.options());
+    p.k_out = k.data_ptr(), p.v_out = v.data_ptr();
+    flash::LaunchHints const hints{int(k_cache.device().index()), 0, 0, 0, p.cache_len, 0};
+    run("gather", tier, kernel_head_dim, k_cache, p, hints);
+    return {k, v};
+}
+
 // (out, lse (b, h, sq)) of a batched forward whose keys are split into num_splits chunks per query tile (split-KV, for
 // decoding: the chunks fill the GPU where b * h query tiles cannot; negative: -num_splits, an automatic count that may
 // be lowered): tier's forward merges the chunks inside a thread-block cluster where it can (SM80-tier decode kernels on
@@ -607,6 +639,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "append of the new keys and values into the caches in place, with the rotary embedding; returns q rotated: "
           "q, k_cache, v_cache, k_new, v_new, cos, sin, cache_seqlens, cache_batch_idx, block_table, interleaved, "
           "q_steps, kernel_head_dim, tier");
+    m.def("gather_pages", &gather_pages,
+          "(k, v): a paged cache's used rows gathered into contiguous copies: k_cache, v_cache, block_table, used, "
+          "kernel_head_dim, tier");
     m.def("available_kernels", &available_kernels,
           "(tier, kind, kernel head dim, dtype in, dtype out) of every compiled kernel");
 }

@@ -172,4 +172,22 @@ struct AppendParams {
     bool interleaved, q_steps;
 };
 
+// flash_attn_with_kvcache's paged cache gathered into contiguous copies (common/kernels/gather_pages.h), for a
+// forward that would otherwise copy the pages' rows itself: sequence i's rows [0, min(used[i], cache_len)) of k_cache
+// and v_cache (pools (pages, page_size, hk, d), rows of block_table row i) into k_out and v_out (b, cache_len, hk, d),
+// contiguous. Rows past used[i] are left as they were: the forward masks the keys there and zeroes the values.
+struct GatherParams {
+    void const* __restrict__ k_cache;
+    void const* __restrict__ v_cache;
+    void* __restrict__ k_out;
+    void* __restrict__ v_out;
+    int const* __restrict__ used;         // (b)
+    int const* __restrict__ block_table;  // (b, cache_len / page_size), rows block_table_stride apart
+    int64_t kc_page_stride, kc_row_stride, kc_head_stride;
+    int64_t vc_page_stride, vc_row_stride, vc_head_stride;
+    int64_t block_table_stride;
+    int b, hk, d, cache_len, page_size, num_pages;
+    int rows_per_cta;  // of the b * cache_len rows, in order (set by the launch)
+};
+
 }  // namespace flash
