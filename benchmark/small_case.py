@@ -23,13 +23,14 @@ SM90 forward's split partials for 130 rows of a contiguous cache or pages of 16,
 GQA-packed, and 130 rows, under a causal mask or a window, unsplit, in 2 and 3 chunks (on Hopper merged inside a
 cluster; unsplit and in 2, the contiguous cache's 16-row tiles take the ring kernel) and in 17 (merged by the combine
 kernel), a contiguous cache and caches paged in pages of 16, 3, 64 and 128 (shuffled), an empty, a partial and a
-full sequence, new keys appended; and with more query tiles than SMs, pages of 16 and 64, causal or not."""
+full sequence, new keys appended; and with more query tiles than SMs, pages of 16 and 64, causal or not, and pages of
+16 gathered first (the gather kernel, which pages of 3 take at 130 rows on Hopper too)."""
 
 import argparse
 
 import torch
 
-from flash_attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attention import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, kvcache
 
 BF16 = torch.bfloat16
 
@@ -133,11 +134,17 @@ def decode_case(d):
     # More query tiles than SMs: persistent CTAs take several, so one tile's output stores meet the next tile's loads;
     # causal ones from the tile counter (on Hopper at head dims 64 and 128, pages of 64).
     q = torch.randn(b, 130, 96, d, dtype=BF16, device="cuda")
+    def table_of(page):
+        return torch.arange(b * (cache_len // page), device="cuda", dtype=torch.int32).view(b, -1)
     for page in (16, 64):
-        table = torch.arange(b * (cache_len // page), device="cuda", dtype=torch.int32).view(b, -1)
         for causal in (False, True):
             flash_attn_with_kvcache(q, k_cache.view(-1, page, hk, d), v_cache.view(-1, page, hk, d),
-                                    cache_seqlens=seqlens, block_table=table, causal=causal, num_splits=1)
+                                    cache_seqlens=seqlens, block_table=table_of(page), causal=causal, num_splits=1)
+    # Pages of 16 gathered first by the gather kernel, as where that pays (forced here; pages of 3 above always are).
+    reuse, kvcache._GATHER_MIN_REUSE = kvcache._GATHER_MIN_REUSE, 0
+    flash_attn_with_kvcache(q, k_cache.view(-1, 16, hk, d), v_cache.view(-1, 16, hk, d), cache_seqlens=seqlens,
+                            block_table=table_of(16), causal=True, num_splits=1)
+    kvcache._GATHER_MIN_REUSE = reuse
     k_new, v_new = (torch.randn(b, 2, hk, d, dtype=BF16, device="cuda") for _ in range(2))
     flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True)
 

@@ -112,9 +112,11 @@ def _cache_len(k_cache, block_table) -> int:
 
 
 # Where the faster tier would copy a paged cache's rows (pages of 16 or 48 on Hopper), gathering them first by
-# _ops.gather_pages pays once each key row meets this many query rows; H200, bf16, pages of 16, causal against 4096-16384
-# keys (RESULTS.md, session 72): the row copies cost 1.06-1.13x the contiguous cache, the gather's one pass 2-3.5 TB/s.
-_GATHER_MIN_REUSE = 4096
+# _ops.gather_pages pays once each key row meets this many query rows. H200, bf16, pages of 16, causal against 4096 to
+# 16384 keys (RESULTS.md, session 72): the row copies cost 1.08-1.15x the contiguous cache; gathered first (3.3-3.9
+# TB/s), 1.02-1.05x where a key row meets 6000 or more query rows, 1.08-1.10x (as the rows) at 3600-3800, 1.11-1.12x
+# (the rows 1.10-1.11x) at 1900-2000.
+_GATHER_MIN_REUSE = 3072
 # The copies are allocated per call: above this, the pages are read in place.
 _GATHER_MAX_BYTES = 256 << 20
 

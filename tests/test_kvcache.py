@@ -488,6 +488,7 @@ def test_paged_prefill_many_tiles_cuda(d, page_size, causal):
     (16, 2048, 4096, 32, True, False, True),  # each key row meets 4 x 1536 query rows
     (48, 4096, 4096, 32, True, False, True),
     (16, 512, 4096, 32, True, False, False),  # 4 x 481: the row copies cost less
+    (16, 1024, 4096, 16, True, False, False),  # 2 x 896
     (16, 1024, 4096, 32, False, False, True),
     (16, 2048, 4096, 32, True, True, False),  # local windows: not estimated
     (64, 2048, 4096, 32, True, False, False),  # TMA reads the pages
