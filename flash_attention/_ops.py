@@ -418,8 +418,7 @@ def gather_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
     kernel (the SM80 tier's, portable); the rows past them are uninitialized. Check gather_kernel_usable first."""
     ext = _dispatch.load_extension()
     tier_id, kernel_dim = _dispatch.resolve(k_cache.device, "gather", k_cache.shape[-1], k_cache.dtype, SPLIT_TIER)
-    k, v = ext.gather_pages(k_cache, v_cache, block_table.contiguous(), used.contiguous(), kernel_dim, tier_id)
-    return k, v
+    return tuple(ext.gather_pages(k_cache, v_cache, block_table.contiguous(), used.contiguous(), kernel_dim, tier_id))
 
 
 def split_forward_impl(q, k, v, seqused_k, block_table, leftpad_k, softmax_scale, window_left, window_right, softcap,

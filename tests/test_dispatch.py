@@ -59,6 +59,8 @@ def test_page_multiple_matches_the_sm90_tiles():
     """The catalog's page multiple of the SM90 forward is the one its paged TMA boxes assume."""
     text = (ROOT / "csrc" / "sm90" / "tile_traits.h").read_text()
     assert f"constexpr int kPageMultiple = {_catalog.TIERS['sm90'].kinds['fwd'].page_multiple};" in text
+    # Pages of a multiple of the TMA boxes' rows are not copied row by row (kvcache.py's gather choice reads it).
+    assert f"constexpr int kPageBoxRows = {_catalog.TIERS['sm90'].kinds['fwd'].page_box_rows};" in text
 
 
 @pytest.mark.parametrize("page_size, head_dim, reads", [(16, 128, True), (48, 160, True), (64, 64, True),

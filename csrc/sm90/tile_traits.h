@@ -35,7 +35,7 @@ struct FwdTile {
 
 // The page sizes that the paged forward reads are multiples of this (the catalog's Kind.page_multiple): a paged
 // key block arrives whole from its page where the page size is a multiple of the block, else row by row
-// (load_page_rows) or as TMA boxes of kPageBoxRows rows, each from its page.
+// (load_page_rows) or as TMA boxes of kPageBoxRows rows (the catalog's Kind.page_box_rows), each from its page.
 constexpr int kPageMultiple = 16;
 constexpr int kPageBoxRows = 64;
 // The row copies (load_page_rows) assume rows of whole 128-byte swizzle atoms: the paged forward runs at the kernel
