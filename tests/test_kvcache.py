@@ -158,9 +158,13 @@ CUDA_CASES = [
     ((1, 1, True, (-1, -1), (48, False), False, False, 16), dict(d=96, h=16, hk=2, cache_len=2048)),
     ((2, 0, False, (-1, -1), None, True, False, None), dict(d=32, h=8, hk=4, cache_len=5000)),
     # Prefill-shaped against pages of 16 and 3: on Hopper the SM90 forward copies the pages of 16 row by row, and
-    # those of 3 are gathered into a contiguous copy for it.
+    # those of 3 are gathered into contiguous copies for it (the gather kernel, after the append of the new keys).
+    # The last case's key rows each meet about 5000 query rows (32 query heads a kv head): its pages of 16 are
+    # gathered too (kvcache._gather_pays), rotated new keys included.
     ((100, 4, True, (-1, -1), None, False, False, 16), dict(d=128, h=8, hk=2, cache_len=512)),
     ((80, 0, False, (-1, -1), None, False, False, 3), dict(d=64, cache_len=300, softcap=15.0)),
+    ((90, 5, True, (-1, -1), (64, False), False, False, 3), dict(d=128, h=8, hk=2, cache_len=300)),
+    ((300, 6, True, (-1, -1), (64, True), False, False, 16), dict(d=128, h=64, hk=2, cache_len=320)),
 ]
 
 
