@@ -121,8 +121,7 @@ _GATHER_MIN_REUSE = 3072
 _GATHER_MAX_BYTES = 256 << 20
 
 
-def _gather_pays(tier_name: str, k_cache, v_cache, b: int, sq: int, h: int, cache_len: int, causal: bool,
-                 local: bool) -> bool:
+def _gather_pays(tier_name: str, k_cache, b: int, sq: int, h: int, cache_len: int, causal: bool, local: bool) -> bool:
     """Whether gathering a paged cache into contiguous copies (_ops.gather_pages, one pass over the used rows) costs
     less than tier_name's forward copying its pages row by row: where each key row meets enough query rows (the query
     heads of its kv head times the query rows that see it, the capacity counted as used; local windows not estimated)
@@ -134,7 +133,7 @@ def _gather_pays(tier_name: str, k_cache, v_cache, b: int, sq: int, h: int, cach
         return False
     sk = cache_len
     pairs = (sq * sk - sq * (sq - 1) // 2 if sq <= sk else sk * (sk + 1) // 2) if causal else sq * sk
-    return h // hk * pairs >= _GATHER_MIN_REUSE * sk and _ops.gather_kernel_usable(k_cache, v_cache)
+    return h // hk * pairs >= _GATHER_MIN_REUSE * sk
 
 
 def _cache_rows(cache: torch.Tensor, block_table, cache_batch_idx, b: int) -> torch.Tensor:
@@ -279,17 +278,19 @@ def flash_attn_with_kvcache(
     route = _ops.decode_route(q, tier) if alibi_slopes is None and (block_table is None or cache_batch_idx is None) \
         and d % 8 == 0 and not torch.compiler.is_compiling() else None
     can_split = route is not None
-    faster_tier = gather = False
+    faster_tier = gather = kernel_gathers = False
     if can_split and sq > 64:
         forward_tier = _ops.split_forward_tier(q, k_cache, None, cache_leftpad, 1, tier)
         faster_tier = forward_tier != _ops.SPLIT_TIER
         # Pages the faster tier does not read (by the catalog: of a size no multiple of its page_multiple, or at a head
         # dim outside its paged_head_dims) are gathered into a contiguous copy for it: that costs less than the
         # composed call (H100, 2026-11-26, pages of 16, sq 512-4096 against 4096 keys: the gather 17-57 us, the
-        # composed call 64-107 us over the contiguous one). So are pages it would copy row by row, where that pays.
-        gather = faster_tier and block_table is not None and (
-            not _ops.forward_reads_pages(forward_tier, k_cache.shape[1], d)
-            or _gather_pays(forward_tier, k_cache, v_cache, b, sq, h, cache_len, causal, local))
+        # composed call 64-107 us over the contiguous one). So are pages it would copy row by row, where the gather
+        # kernel (which copies the used rows only) takes them and that pays.
+        if faster_tier and block_table is not None:
+            kernel_gathers = _ops.gather_kernel_usable(k_cache, v_cache)
+            gather = not _ops.forward_reads_pages(forward_tier, k_cache.shape[1], d) or (
+                kernel_gathers and _gather_pays(forward_tier, k_cache, b, sq, h, cache_len, causal, local))
     native = can_split and (sq <= 64 or faster_tier or _ops.split_tier_is_default(q, tier))
     pack = group > 1 and (exact or native) and not faster_tier
     # A native call's rows are packed by the kernel, and come back unpacked.
@@ -308,7 +309,7 @@ def flash_attn_with_kvcache(
         used = (cache_seqlens + s_new if s_new else cache_seqlens).contiguous()
         if block_table is not None and not gather:
             keys, values, table = k_cache, v_cache, block_table.contiguous()
-        elif gather and _ops.gather_kernel_usable(k_cache, v_cache):
+        elif gather and kernel_gathers:
             (keys, values), table = _ops.gather_pages(k_cache, v_cache, block_table, used), None
         else:
             keys, values, table = (_cache_rows(k_cache, block_table, cache_batch_idx, b),

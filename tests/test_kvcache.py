@@ -498,14 +498,13 @@ def test_paged_prefill_many_tiles_cuda(d, page_size, causal):
     (64, 2048, 4096, 32, True, False, False),  # TMA reads the pages
     (16, 2048, 65536, 32, True, False, False),  # 256 MiB of copies at most
 ])
-def test_gather_pays(monkeypatch, page_size, sq, cache_len, h, causal, local, expected):
+def test_gather_pays(page_size, sq, cache_len, h, causal, local, expected):
     """Pages that the SM90 forward copies row by row are gathered first where each key row meets enough query rows
     (the query heads of its kv head times the query rows that see it), within the copies' memory bound."""
-    from flash_attention import _ops, kvcache
-    monkeypatch.setattr(_ops, "gather_kernel_usable", lambda k_cache, v_cache: True)
+    from flash_attention import kvcache
     pool = torch.empty(1, page_size, 8, 128, dtype=bf16)
-    assert kvcache._gather_pays("sm90", pool, pool, 2, sq, h, cache_len, causal, local) is expected
-    assert kvcache._gather_pays("sm80", pool, pool, 2, sq, h, cache_len, causal, local) is False
+    assert kvcache._gather_pays("sm90", pool, 2, sq, h, cache_len, causal, local) is expected
+    assert kvcache._gather_pays("sm80", pool, 2, sq, h, cache_len, causal, local) is False
 
 
 @pytest.mark.cuda
