@@ -112,7 +112,9 @@ def run_case(sq, s_new, causal, window, rotary, leftpad, batch_idx, page_size, d
     idx = torch.tensor([4, 0, 2][:b], dtype=torch.int32, device=device) if batch_idx else None
     cos = sin = None
     if rotary:
-        cos, sin = rotary_tables(cache_len + 4, rotary[0], device)
+        # Rows for every position a query or new key takes: causal queries sit at cache_seqlens + i, past the new
+        # keys where sq > s_new.
+        cos, sin = rotary_tables(cache_len + sq + 4, rotary[0], device)
     interleaved = rotary[1] if rotary else True
     cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in (q, k_cache, v_cache, k, v, cos, sin, seqlens, idx,
                                                                    pads)]
