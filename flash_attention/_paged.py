@@ -1,6 +1,6 @@
-"""Paged key/value caches as the kernels take them today: each sequence's pages gathered, in order, into a contiguous
-copy. Shared by flash_attn_with_kvcache and flash_attn_varlen_func's block_table; native paged loads would replace it.
-"""
+"""Paged key/value caches gathered, each sequence's pages in order, into a contiguous copy: for the calls whose kernels
+do not read pages in place (flash_attn_varlen_func's block_table, FA4's page_table, flash_attn_with_kvcache's composed
+path)."""
 
 import torch
 
@@ -10,6 +10,22 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     page_size], row j % page_size of cache (num_blocks, page_size, nheads_k, head_dim). Page ids out of range are
     clamped to the pool (the result is then unspecified, but no access leaves it)."""
     return cache[block_table.long().clamp(0, cache.shape[0] - 1)].flatten(1, 2)
+
+
+def gather_used(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor, used: torch.Tensor,
+                differentiable: bool):
+    """(k, v) as gather_pages gives them, where only sequence i's first used[i] rows (int32 (batch,), at most the
+    table's rows) are read: by the gather kernel, which copies those rows alone (3.3-3.9 TB/s against PyTorch's
+    2.0-2.9 for whole tables, H200, RESULTS.md session 72) and leaves the rest unspecified, where it takes the pools
+    and the call is not `differentiable` (no gradient may flow through rows the kernels read past a length); else
+    PyTorch's indexing of the whole table, through which gradients flow to the pools."""
+    from . import _ops
+    # Lengths the caller has yet to check (seqused_k) take PyTorch's path, so that its checks name them.
+    lengths_ok = (isinstance(used, torch.Tensor) and used.dtype == torch.int32 and used.device == k.device
+                  and used.shape == (block_table.shape[0],))
+    if not differentiable and lengths_ok and _ops.gather_kernel_usable(k, v):
+        return _ops.gather_pages(k, v, block_table, used)
+    return gather_pages(k, block_table), gather_pages(v, block_table)
 
 
 def describe(t) -> str:
@@ -33,10 +49,10 @@ def check_block_table(block_table, batch: int, k: torch.Tensor, v: torch.Tensor)
                          f"{tuple(v.shape)}")
 
 
-def packed_from_pages(k, v, block_table, cu_seqlens_k, seqused_k):
+def packed_from_pages(k, v, block_table, cu_seqlens_k, seqused_k, differentiable):
     """flash-attn 2's varlen block_table call as a packed one: (k, v, cu_seqlens_k, seqused_k, max_seqlen_k) with each
-    sequence's pages gathered into a slot of max_blocks * page_size rows and its length, cu_seqlens_k's difference
-    (and at most seqused_k), as seqused_k. Reads no tensor value on the host."""
+    sequence's pages gathered (gather_used) into a slot of max_blocks * page_size rows and its length, cu_seqlens_k's
+    difference (and at most seqused_k), as seqused_k. Reads no tensor value on the host."""
     if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1:
         raise ValueError("cu_seqlens_k must be an int32 tensor of shape (batch + 1,) with block_table")
     batch = cu_seqlens_k.shape[0] - 1
@@ -45,7 +61,7 @@ def packed_from_pages(k, v, block_table, cu_seqlens_k, seqused_k):
     lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).clamp(0, slot)
     if seqused_k is not None:
         lengths = torch.minimum(lengths, seqused_k)
-    keys = gather_pages(k, block_table).flatten(0, 1)
-    values = gather_pages(v, block_table).flatten(0, 1)
+    lengths = lengths.to(torch.int32)
+    keys, values = gather_used(k, v, block_table, lengths, differentiable)
     starts = (torch.arange(batch + 1, device=cu_seqlens_k.device) * slot).to(torch.int32)
-    return keys, values, starts, lengths.to(torch.int32), slot
+    return keys.flatten(0, 1), values.flatten(0, 1), starts, lengths, slot

@@ -15,7 +15,8 @@ The parameters have FA4's names, order and defaults, and the functions return FA
 - window_size may also be an integer tensor of shape (2,), read with one .tolist() (a device synchronisation when
   it is on a GPU); max_seqlen_q/k may be tensors (see flash_attn_varlen_func).
 - flash_attn_varlen_func also serves FA4's argument order from before qv became its 4th parameter (see there).
-- page_table (paged keys and values, any page size) gathers the pages into a contiguous copy before the kernel.
+- page_table (paged keys and values, any page size) gathers the pages into a contiguous copy before the kernel
+  (each sequence's used rows, by a gather kernel, unless a gradient flows: then the whole table, differentiably).
 Both run on the same custom ops as flash_attention's functions. flash_attn_combine (split-KV partials into one
 output) is computed with PyTorch ops.
 """
@@ -185,7 +186,8 @@ def flash_attn_varlen_func(
 def _from_pages(k, v, page_table, cu_seqlens_q, q, cu_seqlens_k, seqused_k):
     """FA4's page_table: k, v are pages (num_pages, page_size, nheads_k, head_dim), sequence i's key j at page
     page_table[i, j // page_size], row j % page_size, its length seqused_k[i] (else the table's capacity). Returns the
-    batched key side (k, v, seqused_k, max_seqlen_k), the pages gathered into a contiguous copy (_paged)."""
+    batched key side (k, v, seqused_k, max_seqlen_k), the pages gathered into a contiguous copy (_paged.gather_used:
+    the used rows only, unless a gradient flows)."""
     if cu_seqlens_k is not None:
         raise ValueError("page_table cannot be used with cu_seqlens_k: sequence lengths come from seqused_k")
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
@@ -193,7 +195,9 @@ def _from_pages(k, v, page_table, cu_seqlens_q, q, cu_seqlens_k, seqused_k):
     capacity = page_table.shape[1] * k.shape[1]
     if seqused_k is None:
         seqused_k = torch.full((batch,), capacity, dtype=torch.int32, device=k.device)
-    return _paged.gather_pages(k, page_table), _paged.gather_pages(v, page_table), seqused_k, capacity
+    used = seqused_k.clamp(0, capacity) if isinstance(seqused_k, torch.Tensor) else seqused_k
+    keys, values = _paged.gather_used(k, v, page_table, used, _ops.needs_grad(q, k, v))
+    return keys, values, seqused_k, capacity
 
 
 def _current_order(q, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):

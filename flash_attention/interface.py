@@ -134,7 +134,7 @@ def _common_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     if k.get_device() != device or v.get_device() != device:
         return None
     window = (-1, 0 if causal and sq > 1 else -1)  # normalize_window's: one row sees every key
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    grad = _ops.needs_grad(q, k, v)
     if not grad and sq <= 64:
         route = _ops.decode_route(q, None)
         return None if route is None else _decode_forward(q, k, v, softmax_scale, window, 0.0, None, route)
@@ -337,14 +337,15 @@ def flash_attn_varlen_func(
     checks them. block_table (int32 (batch, max_blocks), flash-attn 2's paged KV cache): k and v are then pages
     (num_blocks, page_size, nheads_k, head_dim) of any page size, sequence i's key j at page block_table[i, j //
     page_size], row j % page_size, its length cu_seqlens_k[i + 1] - cu_seqlens_k[i]; the pages are gathered into
-    a contiguous copy before the kernel runs (flash_attention._paged).
+    a contiguous copy before the kernel runs (flash_attention._paged: each sequence's used rows by a gather kernel,
+    or, where a gradient flows to q, k or v, the whole table by differentiable indexing).
 
     Returns out (total_q, nheads, head_dim), or (out, softmax_lse, None) when return_attn_probs, with softmax_lse
     fp32 (nheads, total_q).
     """
     if block_table is not None:
         k, v, cu_seqlens_k, seqused_k, max_seqlen_k = _paged.packed_from_pages(k, v, block_table, cu_seqlens_k,
-                                                                               seqused_k)
+                                                                               seqused_k, _ops.needs_grad(q, k, v))
     sequences = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     out, lse = _varlen_forward(q, k, v, sequences, dropout_p, softmax_scale, causal, window_size, softcap,
                                alibi_slopes, deterministic, tier)

@@ -157,7 +157,7 @@ def require_kernel(d, dtype, kind="fwd"):
         pytest.skip(f"not built (FLASH_ATTN_HEAD_DIMS / FLASH_ATTN_CUDA_ARCHS): {e}")
 
 
-def _poison_blocks(shapes, itemsizes):
+def poison_blocks(shapes, itemsizes):
     """Allocate NaN-filled (all-ones bytes) blocks of these shapes and item sizes at once, then free them: the caching
     allocator keeps them and hands them out to the next allocations of those sizes (or a little smaller)."""
     blocks = [torch.full((math.prod(shape) * itemsize,), 255, dtype=torch.uint8, device="cuda")
@@ -174,7 +174,7 @@ def poison_allocator(q, k):
     sk, hk = k.shape[1], k.shape[2]
     d_padded = -(-d // 8) * 8
     shapes = [(b, sq, h, d_padded)] * 4 + [(b, sk, hk, d_padded)] * 4 + [(b, sk, h, d_padded)] * 2 + [(b, h, sq)] * 2
-    _poison_blocks(shapes, (q.element_size(), 4))
+    poison_blocks(shapes, (q.element_size(), 4))
 
 
 def poison_allocator_varlen(q, k, batch):
@@ -189,7 +189,7 @@ def poison_allocator_varlen(q, k, batch):
             rows_q, rows_k = total_q + extra, total_k + extra
             shapes += [(rows_q, h, width)] * 3 + [(rows_k, hk, width)] * 3 + [(rows_k, h, width)] * 2
         shapes += [(h, total_q + extra)] * 2
-    _poison_blocks(shapes, (q.element_size(), 4))
+    poison_blocks(shapes, (q.element_size(), 4))
 
 
 def grad_rounding(terms):

@@ -365,6 +365,42 @@ def test_page_table_matches_batched_keys(stub_kernel, page_size, packed_q):
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [3, 16])
+def test_page_table_gathers_used_rows_cuda(monkeypatch, page_size):
+    """On the GPU, page_table's pages go through the gather kernel (each sequence's first seqused_k rows only): NaN in
+    every pool row past them and in the allocator's blocks where the copies land, and the call still gives the
+    batched keys' bits."""
+    from flash_attention import _ops
+    from helpers import poison_blocks
+    require_kernel(64, torch.bfloat16)
+    require_kernel(64, torch.bfloat16, "gather")
+    torch.manual_seed(page_size)
+    b, slot, h, hk, d = 3, 96, 4, 2, 64
+    k, v = (torch.randn(b, slot, hk, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    used = torch.tensor([50, 0, 96], dtype=torch.int32, device="cuda")
+    pages = b * slot // page_size
+    order = torch.randperm(pages + 2, device="cuda")[:pages]
+    table = order.view(b, slot // page_size).to(torch.int32)
+    pool_k, pool_v = (torch.full((pages + 2, page_size, hk, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+                      for _ in range(2))
+    rows = torch.arange(slot, device="cuda")
+    for i in range(b):
+        keep = rows < used[i]
+        pool_k[table[i].long()[rows[keep] // page_size], rows[keep] % page_size] = k[i, keep]
+        pool_v[table[i].long()[rows[keep] // page_size], rows[keep] % page_size] = v[i, keep]
+    q = torch.randn(b, 2, h, d, dtype=torch.bfloat16, device="cuda")
+    expected = cute.flash_attn_varlen_func(q, k, v, seqused_k=used, causal=True, return_lse=True)
+    calls = []
+    gather = _ops.gather_pages
+    monkeypatch.setattr(_ops, "gather_pages", lambda *args: calls.append(1) or gather(*args))
+    poison_blocks([(b, slot, hk, d)] * 2, (2,))
+    got = cute.flash_attn_varlen_func(q, pool_k, pool_v, page_table=table, seqused_k=used, causal=True,
+                                      return_lse=True)
+    assert calls
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
 def test_page_table_rejects_cu_seqlens_k(stub_kernel):
     with pytest.raises(ValueError, match="page_table cannot be used with cu_seqlens_k"):
         cute.flash_attn_varlen_func(rand(5, 4, 16), rand(4, 8, 2, 16), rand(4, 8, 2, 16), cu_seqlens_q=int32(*CU_Q),

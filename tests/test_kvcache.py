@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flash_attention import flash_attn_with_kvcache
-from helpers import require_kernel
+from helpers import poison_blocks, require_kernel
 from reference import attention_ref
 
 bf16, fp16 = torch.bfloat16, torch.float16
@@ -269,13 +269,30 @@ def test_varlen_block_table_matches_packed(stub_kernel, page_size, causal):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [1, 3, 16, 256])
-def test_varlen_block_table_matches_packed_cuda(page_size):
-    from flash_attention import flash_attn_varlen_func
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "grad"])
+def test_varlen_block_table_matches_packed_cuda(monkeypatch, page_size, grad):
+    """The paged varlen call on the GPU gives the packed call's bits. Without a gradient its pages go through the
+    gather kernel, which copies each sequence's used rows only: NaN in every pool row past a sequence's length and in
+    the allocator's blocks where the copies land (the rows past the lengths stay unwritten). With one (k's pool
+    requires it), PyTorch's differentiable gather of the whole table."""
+    from flash_attention import _ops, flash_attn_varlen_func
     require_kernel(64, bf16)
+    require_kernel(64, bf16, "gather")
     q, k, v, cu_q, cu_k, pool_k, pool_v, table, mq, mk = paged_varlen_case(page_size, "cuda")
+    slot = table.shape[1] * page_size
+    for i in range(table.shape[0]):
+        rows = torch.arange(int(cu_k[i + 1] - cu_k[i]), slot, device="cuda")
+        pages = table[i].long()[rows // page_size]
+        pool_k[pages, rows % page_size] = float("nan")
+        pool_v[pages, rows % page_size] = float("nan")
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True, return_attn_probs=True)
-    out_p, lse_p, _ = flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, mq, mk, causal=True,
+    calls = []
+    gather = _ops.gather_pages
+    monkeypatch.setattr(_ops, "gather_pages", lambda *args: calls.append(1) or gather(*args))
+    poison_blocks([(table.shape[0], slot, k.shape[1], k.shape[2])] * 2, (k.element_size(),))
+    out_p, lse_p, _ = flash_attn_varlen_func(q, pool_k.requires_grad_(grad), pool_v, cu_q, cu_k, mq, mk, causal=True,
                                              return_attn_probs=True, block_table=table)
+    assert bool(calls) != grad
     assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
 
 
