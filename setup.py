@@ -7,7 +7,7 @@ linked with those objects.
 Environment:
   FLASH_ATTN_SKIP_CUDA_BUILD=1  install the Python package only (CPU-only machines, CI)
   FLASH_ATTN_CUDA_ARCHS         archs to build, default the catalog's DEFAULT_ARCHS (and PTX for the SM80 tier)
-  FLASH_ATTN_HEAD_DIMS          kernel head dims to build, e.g. "128" (default: all)
+  FLASH_ATTN_HEAD_DIMS          kernel head dims to build, e.g. "128" (default: all; append and gather always)
   FLASH_ATTN_KINDS              kernel kinds to build, e.g. "fwd" (default: all; older name FLASH_ATTN_DIRECTIONS)
   FLASH_ATTN_DTYPES             input dtypes to build, e.g. "bf16" (default: all)
   MAX_JOBS                      parallel nvcc jobs (default: cores, capped at one job per 6 GB of memory)

@@ -61,7 +61,7 @@ class KernelSource:
 
 def kernel_sources(tiers=None, kinds=None, head_dims=None, dtypes=None) -> list[KernelSource]:
     """The instantiations to build (optionally only some tiers, kinds, head dims or input dtypes), written to disk if
-    missing or stale."""
+    missing or stale. Kinds that serve every head dim are not restricted by head_dims."""
     out = []
     for tier_name, tier in catalog.TIERS.items():
         if tiers is not None and tier_name not in tiers:
@@ -70,7 +70,8 @@ def kernel_sources(tiers=None, kinds=None, head_dims=None, dtypes=None) -> list[
             if kinds is not None and kind_name not in kinds:
                 continue
             for head_dim in kind.head_dims:
-                if head_dims is not None and head_dim not in head_dims:
+                # A kind whose one head dim serves them all (append, gather) is built whatever head dims are asked.
+                if head_dims is not None and head_dim not in head_dims and not kind.any_head_dim:
                     continue
                 for pair in catalog.DTYPE_PAIRS:
                     if dtypes is not None and pair[0] not in dtypes:

@@ -50,6 +50,10 @@ def test_build_reads_the_catalog():
     expected = {(name, kind, d, pair) for name, tier in _catalog.TIERS.items() for kind, spec in tier.kinds.items()
                 for d in spec.head_dims for pair in _catalog.DTYPE_PAIRS}
     assert keys == expected
+    # A build restricted to some head dims still gets the kinds whose one head dim serves them all.
+    restricted = {(s.kind, s.head_dim) for s in gen.kernel_sources(head_dims=[64], dtypes=["bf16"])}
+    assert {kind for kind, _ in restricted} == {kind for tier in _catalog.TIERS.values() for kind in tier.kinds}
+    assert all(d == 64 or _catalog.TIERS["sm80"].kinds[kind].any_head_dim for kind, d in restricted)
     text = gen.kernel_sources(tiers=["sm90"], kinds=["fwd"], head_dims=[128], dtypes=["bf16"])[0].text()
     assert 'flash::KernelKey{90, "fwd", 128, flash::DType::kBFloat16, flash::DType::kBFloat16}' in text
     assert "flash::sm90::fwd_descriptor<128, cutlass::bfloat16_t, cutlass::bfloat16_t>()" in text
