@@ -140,16 +140,22 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_
         )
     b = len(cu_seqlens_q) - 1
     for name, seqused in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
-        if seqused is not None:
-            _check_index_tensor(seqused, name, q.device)
-            if len(seqused) != b:
-                raise ValueError(f"{name} must have length batch = len(cu_seqlens_q) - 1 = {b}, got {len(seqused)}")
+        check_seqused(seqused, name, b, "len(cu_seqlens_q) - 1", q.device)
     max_seqlens = (_max_seqlen(max_seqlen_q, "max_seqlen_q", q.shape[0]),
                    _max_seqlen(max_seqlen_k, "max_seqlen_k", k.shape[0]))
     _check_alibi(alibi_slopes, b, q.shape[1])
     _check_tier(tier)
     _check_devices(q, k, v, alibi_slopes)
     return max_seqlens
+
+
+def check_seqused(seqused, name: str, batch: int, batch_name: str, device: torch.device) -> None:
+    """seqused_q or seqused_k (None: absent): one int32 length per sequence, on q's device (batch_name: where the
+    batch size comes from, for the message)."""
+    if seqused is not None:
+        _check_index_tensor(seqused, name, device)
+        if len(seqused) != batch:
+            raise ValueError(f"{name} must have length batch = {batch_name} = {batch}, got {len(seqused)}")
 
 
 def _check_index_tensor(t, name: str, device: torch.device) -> None:

@@ -20,10 +20,7 @@ def gather_used(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor, use
     and the call is not `differentiable` (no gradient may flow through rows the kernels read past a length); else
     PyTorch's indexing of the whole table, through which gradients flow to the pools."""
     from . import _ops
-    # Lengths the caller has yet to check (seqused_k) take PyTorch's path, so that its checks name them.
-    lengths_ok = (isinstance(used, torch.Tensor) and used.dtype == torch.int32 and used.device == k.device
-                  and used.shape == (block_table.shape[0],))
-    if not differentiable and lengths_ok and _ops.gather_kernel_usable(k, v):
+    if not differentiable and _ops.gather_kernel_usable(k, v):
         return _ops.gather_pages(k, v, block_table, used)
     return gather_pages(k, block_table), gather_pages(v, block_table)
 

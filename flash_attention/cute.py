@@ -192,11 +192,13 @@ def _from_pages(k, v, page_table, cu_seqlens_q, q, cu_seqlens_k, seqused_k):
         raise ValueError("page_table cannot be used with cu_seqlens_k: sequence lengths come from seqused_k")
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
     _paged.check_block_table(page_table, batch, k, v)
+    # Checked before the gather reads it.
+    _checks.check_seqused(seqused_k, "seqused_k", batch, "len(cu_seqlens_q) - 1" if cu_seqlens_q is not None
+                          else "q.shape[0]", q.device)
     capacity = page_table.shape[1] * k.shape[1]
     if seqused_k is None:
         seqused_k = torch.full((batch,), capacity, dtype=torch.int32, device=k.device)
-    used = seqused_k.clamp(0, capacity) if isinstance(seqused_k, torch.Tensor) else seqused_k
-    keys, values = _paged.gather_used(k, v, page_table, used, _ops.needs_grad(q, k, v))
+    keys, values = _paged.gather_used(k, v, page_table, seqused_k.clamp(0, capacity), _ops.needs_grad(q, k, v))
     return keys, values, seqused_k, capacity
 
 

@@ -401,6 +401,18 @@ def test_page_table_gathers_used_rows_cuda(monkeypatch, page_size):
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
+@pytest.mark.parametrize("seqused_k, error, message", [
+    (torch.tensor([5, 0, 32]), TypeError, r"seqused_k must be torch\.int32, got torch\.int64"),
+    (int32(5, 0), ValueError, r"seqused_k must have length batch = q\.shape\[0\] = 3, got 2")])
+def test_page_table_checks_seqused_k_before_the_gather(stub_kernel, seqused_k, error, message):
+    """page_table's lengths are checked before the pages are gathered by them, with the varlen checks' messages."""
+    pool = rand(8, 16, 2, 16)
+    table = torch.arange(6, dtype=torch.int32).view(3, 2)
+    with pytest.raises(error, match=message):
+        cute.flash_attn_varlen_func(rand(3, 2, 4, 16), pool, pool, page_table=table, seqused_k=seqused_k)
+    assert not stub_kernel
+
+
 def test_page_table_rejects_cu_seqlens_k(stub_kernel):
     with pytest.raises(ValueError, match="page_table cannot be used with cu_seqlens_k"):
         cute.flash_attn_varlen_func(rand(5, 4, 16), rand(4, 8, 2, 16), rand(4, 8, 2, 16), cu_seqlens_q=int32(*CU_Q),
