@@ -301,12 +301,12 @@ def flash_attn_with_kvcache(
         rows, heads = sq, h
     if repack:
         q = interface.pack_gqa(q, hk)
+    used = (cache_seqlens + s_new if s_new else cache_seqlens).contiguous()  # each sequence's rows, new ones included
     if native:
         # No query copies or split metadata; a paged cache is read in place unless gathered for the faster tier.
         scale, _, _, cap, _ = interface._scalar_options(0.0, softmax_scale, False, (-1, -1), softcap, False)
         scale = d ** -0.5 if scale is None else scale
         window = interface.normalize_window(window_size, causal, sq, cache_len)
-        used = (cache_seqlens + s_new if s_new else cache_seqlens).contiguous()
         if block_table is not None and not gather:
             keys, values, table = k_cache, v_cache, block_table.contiguous()
         elif gather and kernel_gathers:
@@ -322,8 +322,13 @@ def flash_attn_with_kvcache(
                           -splits if num_splits == 0 else splits, group if pack else 1, tier)  # negative: automatic
         return (out, lse) if return_softmax_lse else out
     splits = _ops.split_count(num_splits, b, heads, rows, cache_len, d, _ops.sm_count(q.device)) if exact else 1
-    keys = _cache_rows(k_cache, block_table, cache_batch_idx, b)
-    values = _cache_rows(v_cache, block_table, cache_batch_idx, b)
+    if block_table is not None:
+        # The varlen call below reads no row past a sequence's used ones (seqused_k): the gather kernel copies those
+        # alone where no gradient flows.
+        keys, values = _paged.gather_used(k_cache, v_cache, block_table, used, _ops.needs_grad(q, k_cache, v_cache))
+    else:
+        keys = _cache_rows(k_cache, None, cache_batch_idx, b)
+        values = _cache_rows(v_cache, None, cache_batch_idx, b)
     chunk = -(-cache_len // splits)
     queries = q.reshape(b, 1, rows, heads, d).expand(b, splits, rows, heads, d)  # each chunk's copy of the rows
     cu_seqlens_q, cu_seqlens_k, seqused_k = _split_sequences(cache_seqlens, cache_leftpad, s_new, b, splits, chunk,

@@ -588,6 +588,40 @@ def test_paged_prefill_gathered_cuda(monkeypatch, d, page_size, dtype, causal):
     assert_matches_reference(q, k, v, used, out, lse, causal)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("sq, page_size", [(1, 16), (113, 3)])
+def test_composed_paged_call_gathers_used_rows_cuda(monkeypatch, sq, page_size):
+    """A paged call that takes the composed path (ALiBi here) gathers each sequence's used rows with the gather
+    kernel where no gradient flows, new keys included: the contiguous cache's bits, with NaN in every pool row past a
+    sequence's used count and in the allocator's blocks where the copies land."""
+    from flash_attention import _ops
+    d = 64
+    require_kernel(d, bf16)
+    require_kernel(d, bf16, "gather")
+    b, h, hk, sk, s_new = 3, 8, 2, 300, 2
+    q = torch.randn(b, sq, h, d, dtype=bf16, device="cuda")
+    k, v = (torch.randn(b, sk, hk, d, dtype=bf16, device="cuda") for _ in range(2))
+    k_new, v_new = (torch.randn(b, s_new, hk, d, dtype=bf16, device="cuda") for _ in range(2))
+    slopes = torch.rand(b, h, device="cuda")
+    seqlens = torch.tensor([sk - s_new, 150, 0], dtype=torch.int32, device="cuda")
+    k_pool, v_pool, table = pages_of(k, v, page_size)
+    for i in range(b):
+        rows = torch.arange(int(seqlens[i]) + s_new, table.shape[1] * page_size, device="cuda")
+        pages = table[i].long()[rows // page_size]
+        k_pool[pages, rows % page_size] = float("nan")
+        v_pool[pages, rows % page_size] = float("nan")
+    calls = []
+    gather = _ops.gather_pages
+    monkeypatch.setattr(_ops, "gather_pages", lambda *args: calls.append(1) or gather(*args))
+    poison_blocks([(b, table.shape[1] * page_size, hk, d)] * 2, (2,))
+    out = flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                  causal=True, alibi_slopes=slopes, num_splits=1)
+    assert calls, "the call did not gather with the kernel"
+    dense = flash_attn_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=seqlens, causal=True, alibi_slopes=slopes,
+                                    num_splits=1)
+    assert torch.equal(out, dense)
+
+
 @pytest.mark.parametrize("sq, packed", [(1, 1), (1, 4), (3, 4)])
 def test_split_fake_lays_out_as_the_binding(sq, packed):
     """fwd_split's fake gives out and lse in q's layout (b, sq, h, d), whose rows the kernel may pack: contiguous, as
