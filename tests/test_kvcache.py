@@ -275,20 +275,14 @@ def test_varlen_block_table_matches_packed_cuda(monkeypatch, page_size, grad):
     gather kernel, which copies each sequence's used rows only: NaN in every pool row past a sequence's length and in
     the allocator's blocks where the copies land (the rows past the lengths stay unwritten). With one (k's pool
     requires it), PyTorch's differentiable gather of the whole table."""
-    from flash_attention import _ops, flash_attn_varlen_func
+    from flash_attention import flash_attn_varlen_func
     require_kernel(64, bf16)
     require_kernel(64, bf16, "gather")
     q, k, v, cu_q, cu_k, pool_k, pool_v, table, mq, mk = paged_varlen_case(page_size, "cuda")
     slot = table.shape[1] * page_size
-    for i in range(table.shape[0]):
-        rows = torch.arange(int(cu_k[i + 1] - cu_k[i]), slot, device="cuda")
-        pages = table[i].long()[rows // page_size]
-        pool_k[pages, rows % page_size] = float("nan")
-        pool_v[pages, rows % page_size] = float("nan")
+    poison_past_used((pool_k, pool_v), table, cu_k.diff())
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True, return_attn_probs=True)
-    calls = []
-    gather = _ops.gather_pages
-    monkeypatch.setattr(_ops, "gather_pages", lambda *args: calls.append(1) or gather(*args))
+    calls = count_gathers(monkeypatch)
     poison_blocks([(table.shape[0], slot, k.shape[1], k.shape[2])] * 2, (k.element_size(),))
     out_p, lse_p, _ = flash_attn_varlen_func(q, pool_k.requires_grad_(grad), pool_v, cu_q, cu_k, mq, mk, causal=True,
                                              return_attn_probs=True, block_table=table)
@@ -453,6 +447,25 @@ def test_native_split_cuda(d, splits, causal, page_size, sq):
         assert_matches_reference(q, k, v, used, out, lse, causal)
 
 
+def poison_past_used(pools, table, used):
+    """NaN in every row of the pools past sequence i's first used[i] rows of its pages."""
+    page_size = pools[0].shape[1]
+    for i in range(table.shape[0]):
+        rows = torch.arange(int(used[i]), table.shape[1] * page_size, device=table.device)
+        pages = table[i].long()[rows // page_size]
+        for pool in pools:
+            pool[pages, rows % page_size] = float("nan")
+
+
+def count_gathers(monkeypatch):
+    """A list that gets an entry for each call of the gather kernel (_ops.gather_pages)."""
+    from flash_attention import _ops
+    calls = []
+    gather = _ops.gather_pages
+    monkeypatch.setattr(_ops, "gather_pages", lambda *args: calls.append(1) or gather(*args))
+    return calls
+
+
 def assert_matches_reference(q, k, v, used, out, lse, causal):
     """Sequence i of out and lse against the fp32 reference over its first used[i] keys: out 0 and lse -inf where it
     has none."""
@@ -570,14 +583,8 @@ def test_paged_prefill_gathered_cuda(monkeypatch, d, page_size, dtype, causal):
         pytest.skip("no faster tier than the split kernels' on this GPU and build")
     used = torch.tensor([sk, 611, 77], dtype=torch.int32, device="cuda")
     k_pool, v_pool, table = pages_of(k, v, page_size)
-    for i in range(b):
-        rows = torch.arange(int(used[i]), table.shape[1] * page_size, device="cuda")
-        pages = table[i].long()[rows // page_size]
-        k_pool[pages, rows % page_size] = float("nan")
-        v_pool[pages, rows % page_size] = float("nan")
-    calls = []
-    gather = _ops.gather_pages
-    monkeypatch.setattr(_ops, "gather_pages", lambda *args: calls.append(1) or gather(*args))
+    poison_past_used((k_pool, v_pool), table, used)
+    calls = count_gathers(monkeypatch)
     monkeypatch.setattr(kvcache, "_GATHER_MIN_REUSE", 0)
     out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=used, block_table=table, causal=causal,
                                        num_splits=1, return_softmax_lse=True)
@@ -594,7 +601,6 @@ def test_composed_paged_call_gathers_used_rows_cuda(monkeypatch, sq, page_size):
     """A paged call that takes the composed path (ALiBi here) gathers each sequence's used rows with the gather
     kernel where no gradient flows, new keys included: the contiguous cache's bits, with NaN in every pool row past a
     sequence's used count and in the allocator's blocks where the copies land."""
-    from flash_attention import _ops
     d = 64
     require_kernel(d, bf16)
     require_kernel(d, bf16, "gather")
@@ -605,14 +611,8 @@ def test_composed_paged_call_gathers_used_rows_cuda(monkeypatch, sq, page_size):
     slopes = torch.rand(b, h, device="cuda")
     seqlens = torch.tensor([sk - s_new, 150, 0], dtype=torch.int32, device="cuda")
     k_pool, v_pool, table = pages_of(k, v, page_size)
-    for i in range(b):
-        rows = torch.arange(int(seqlens[i]) + s_new, table.shape[1] * page_size, device="cuda")
-        pages = table[i].long()[rows // page_size]
-        k_pool[pages, rows % page_size] = float("nan")
-        v_pool[pages, rows % page_size] = float("nan")
-    calls = []
-    gather = _ops.gather_pages
-    monkeypatch.setattr(_ops, "gather_pages", lambda *args: calls.append(1) or gather(*args))
+    poison_past_used((k_pool, v_pool), table, seqlens + s_new)
+    calls = count_gathers(monkeypatch)
     poison_blocks([(b, table.shape[1] * page_size, hk, d)] * 2, (2,))
     out = flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=seqlens, block_table=table,
                                   causal=True, alibi_slopes=slopes, num_splits=1)
