@@ -301,12 +301,15 @@ def flash_attn_with_kvcache(
         rows, heads = sq, h
     if repack:
         q = interface.pack_gqa(q, hk)
-    used = (cache_seqlens + s_new if s_new else cache_seqlens).contiguous()  # each sequence's rows, new ones included
+    def used_rows():  # each sequence's rows, the new ones included
+        return (cache_seqlens + s_new if s_new else cache_seqlens).contiguous()
+
     if native:
         # No query copies or split metadata; a paged cache is read in place unless gathered for the faster tier.
         scale, _, _, cap, _ = interface._scalar_options(0.0, softmax_scale, False, (-1, -1), softcap, False)
         scale = d ** -0.5 if scale is None else scale
         window = interface.normalize_window(window_size, causal, sq, cache_len)
+        used = used_rows()
         if block_table is not None and not gather:
             keys, values, table = k_cache, v_cache, block_table.contiguous()
         elif gather and kernel_gathers:
@@ -325,7 +328,8 @@ def flash_attn_with_kvcache(
     if block_table is not None:
         # The varlen call below reads no row past a sequence's used ones (seqused_k): the gather kernel copies those
         # alone where no gradient flows.
-        keys, values = _paged.gather_used(k_cache, v_cache, block_table, used, _ops.needs_grad(q, k_cache, v_cache))
+        keys, values = _paged.gather_used(k_cache, v_cache, block_table, used_rows(),
+                                          _ops.needs_grad(q, k_cache, v_cache))
     else:
         keys = _cache_rows(k_cache, None, cache_batch_idx, b)
         values = _cache_rows(v_cache, None, cache_batch_idx, b)
