@@ -198,7 +198,7 @@ def _from_pages(k, v, page_table, cu_seqlens_q, q, cu_seqlens_k, seqused_k):
     capacity = page_table.shape[1] * k.shape[1]
     if seqused_k is None:
         seqused_k = torch.full((batch,), capacity, dtype=torch.int32, device=k.device)
-    keys, values = _paged.gather_used(k, v, page_table, seqused_k.clamp(0, capacity), _ops.needs_grad(q, k, v))
+    keys, values = _paged.gather_used(k, v, page_table, seqused_k, _ops.needs_grad(q, k, v))
     return keys, values, seqused_k, capacity
 
 
