@@ -15,10 +15,10 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
 def gather_used(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor, used: torch.Tensor,
                 differentiable: bool):
     """(k, v) as gather_pages gives them, where only sequence i's first used[i] rows (int32 (batch,); the kernel
-    clamps them to [0, the table's rows]) are read: by the gather kernel, which copies those rows alone (3.3-3.9 TB/s against PyTorch's
-    2.0-2.9 for whole tables, H200, RESULTS.md session 72) and leaves the rest unspecified, where it takes the pools
-    and the call is not `differentiable` (no gradient may flow through rows the kernels read past a length); else
-    PyTorch's indexing of the whole table, through which gradients flow to the pools."""
+    clamps them to [0, the table's rows]) are read: by the gather kernel, which copies those rows alone (3.3-3.9 TB/s
+    against PyTorch's 2.0-2.9 for whole tables, H200, RESULTS.md session 72) and leaves the rest unspecified, where it
+    takes the pools and the call is not `differentiable` (no gradient may flow through rows the kernels read past a
+    length); else PyTorch's indexing of the whole table, through which gradients flow to the pools."""
     from . import _ops
     if not differentiable and _ops.gather_kernel_usable(k, v):
         return _ops.gather_pages(k, v, block_table, used)

@@ -5,7 +5,7 @@ one kernel (_ops.append_kv; under torch.compile, PyTorch ops with the same arith
 then runs over each sequence's used rows (cache_seqlens plus the new tokens, from cache_leftpad on). Nothing reads a
 tensor's values on the host, so a decode step can be captured in a CUDA graph and traced by torch.compile.
 
-Without ALiBi (and cache_batch_idx on a paged cache), and unless prefill-shaped (more than 64 query rows) on a GPU
+Without ALiBi, and unless prefill-shaped (more than 64 query rows) on a GPU
 with a faster tier of its own (Hopper) with cache_leftpad, the call is native (_ops.decode_attention;
 _ops.split_attention on the faster tier): CTAs read the cache in place (a paged one through its block table; from
 cache_leftpad on), each sequence's keys cut into num_splits chunks (0: enough to fill the GPU; each chunk masked as the
@@ -275,8 +275,8 @@ def flash_attn_with_kvcache(
     # (Hopper) go to that tier's forward: natively and unpacked where it writes the partials itself (a contiguous
     # cache or pages of a size it reads, without cache_leftpad: _ops.split_forward_tier; its query tiles fill without
     # packing, which would copy q and out), else composed.
-    route = _ops.decode_route(q, tier) if alibi_slopes is None and (block_table is None or cache_batch_idx is None) \
-        and d % 8 == 0 and not torch.compiler.is_compiling() else None
+    route = _ops.decode_route(q, tier) if alibi_slopes is None and d % 8 == 0 and not torch.compiler.is_compiling() \
+        else None
     can_split = route is not None
     faster_tier = gather = kernel_gathers = False
     if can_split and sq > 64:
