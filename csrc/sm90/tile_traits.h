@@ -70,13 +70,13 @@ struct FwdTraits {
     static constexpr int kProducerRegisters = kConsumerWarpGroups == 2 ? 24 : 32;
     static constexpr int kConsumerRegisters = kConsumerWarpGroups == 2 ? 240 : 160;
     static_assert(register_split_fits(kNThreads, kProducerRegisters, kConsumerWarpGroups, kConsumerRegisters));
-    // The paged kernels' producer warpgroup may copy rows (load_page_rows): with two consumer warpgroups it takes 32
+    // The paged kernels' producer warpgroup may copy rows (load_page_rows): with two consumer warpgroups it takes 40
     // registers from theirs, and copies with 8 lanes to a row (ptxas at d 128: 356/508 B spilled with a 24-register
-    // producer and 4 lanes, 8/8 B at 56 with 8; no consumer spills at 224; the dense kernel's 24/240 was slower even
-    // for 64-row boxes, H100, RESULTS.md); three (d 64) have none to spare (152 spilled), and there 4 lanes to a row
-    // keep the producer's spills lower than 8.
-    static constexpr int kPagedProducerRegisters = kConsumerWarpGroups == 2 ? 56 : 32;
-    static constexpr int kPagedConsumerRegisters = kConsumerWarpGroups == 2 ? 224 : 160;
+    // producer and 4 lanes; 24/28 B at 56 with the table window, none at 64; no consumer spills at 216; the dense
+    // kernel's 24/240 was slower even for 64-row boxes, H100, RESULTS.md); three (d 64) have none to spare (152
+    // spilled), and there 4 lanes to a row keep the producer's spills lower than 8.
+    static constexpr int kPagedProducerRegisters = kConsumerWarpGroups == 2 ? 64 : 32;
+    static constexpr int kPagedConsumerRegisters = kConsumerWarpGroups == 2 ? 216 : 160;
     static_assert(register_split_fits(kNThreads, kPagedProducerRegisters, kConsumerWarpGroups,
                                       kPagedConsumerRegisters));
     static constexpr int kPageRowLanes = kConsumerWarpGroups == 2 ? 8 : 4;
