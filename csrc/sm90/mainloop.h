@@ -230,9 +230,9 @@ __device__ __forceinline__ void load_page_rows(FwdKernelParams<Traits, true> con
     int const* table = params.block_table + int64_t(seq.batch) * params.block_table_stride;
     int const last_slot = params.sk / params.page_size - 1;  // sk: the table's rows
     // The table entries of 32 consecutive slots from `window`, one a lane: a group takes its page by a shuffle, and
-    // the warp reads the table once per 32 slots (4 key blocks of pages of 16), not once per group and block. The
-    // table loads, not their latency, cost 2-3% (pages of 16, 4 x 512 rows against 4k keys): this wins 2 points of
-    // it (H200, RESULTS.md, session 76).
+    // the warp reads the table once per 32 slots (4 key blocks of pages of 16), not once per group and block. Read
+    // per group, the table cost 2-3% at pages of 16 (not through its latency: loading it a block ahead gained
+    // nothing); the window wins 2 points of it (H200, RESULTS.md, sessions 75-76).
     int window = -32, window_entry = 0;  // no window yet: every slot lies past it
     auto entry_of = [&](int slot) __attribute__((always_inline)) {  // slot: warp-uniform, in [0, last_slot]
         if (slot < window || slot >= window + 32) {  // the blocks go last-first: the window ends at this slot

@@ -72,9 +72,10 @@ struct FwdTraits {
     static_assert(register_split_fits(kNThreads, kProducerRegisters, kConsumerWarpGroups, kConsumerRegisters));
     // The paged kernels' producer warpgroup may copy rows (load_page_rows): with two consumer warpgroups it takes 40
     // registers from theirs, and copies with 8 lanes to a row (ptxas at d 128: 356/508 B spilled with a 24-register
-    // producer and 4 lanes; 24/28 B at 56 with the table window, none at 64; no consumer spills at 216; the dense
-    // kernel's 24/240 was slower even for 64-row boxes, H100, RESULTS.md); three (d 64) have none to spare (152
-    // spilled), and there 4 lanes to a row keep the producer's spills lower than 8.
+    // producer and 4 lanes; 24/28 B at 56 with the table window, none at 64; the consumers spill none at 216 at d 128,
+    // 60/124 B at d 256, which ran no slower than at 224; the dense kernel's 24/240 was slower even for 64-row boxes,
+    // H100; RESULTS.md, sessions 48-76); three (d 64) have none to spare (152 spilled), and there 4 lanes to a row keep
+    // the producer's spills lower than 8.
     static constexpr int kPagedProducerRegisters = kConsumerWarpGroups == 2 ? 64 : 32;
     static constexpr int kPagedConsumerRegisters = kConsumerWarpGroups == 2 ? 216 : 160;
     static_assert(register_split_fits(kNThreads, kPagedProducerRegisters, kConsumerWarpGroups,
